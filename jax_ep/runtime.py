@@ -1,0 +1,264 @@
+"""initialize / finalize: the prewarm hook, backend choice, and what was set up.
+
+`initialize(mesh, *configs)` does every expensive, collective step before tracing so the first jitted call runs
+at steady-state speed. For the reference backend there is nothing to set up beyond recording the choice; for the
+CUDA backend it creates, per EP group, the device buffers, peer access and pointer tables (single process) through
+the native extension. Ops that find no runtime for their config initialize at trace time and log once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from .config import EPConfig
+from .validation import EPError
+
+log = logging.getLogger("jax_ep")
+
+
+class _NativeShim:
+    """Lazy view of jax_ep._native (owned by the native layer); absent module = no extension."""
+
+    def _mod(self):
+        try:
+            from . import _native
+            return _native
+        except ImportError as e:  # pragma: no cover - only before the native layer exists
+            return e
+
+    def available(self) -> bool:
+        mod = self._mod()
+        return not isinstance(mod, Exception) and bool(mod.available())
+
+    def load_error(self) -> str:
+        mod = self._mod()
+        return str(mod) if isinstance(mod, Exception) else str(mod.load_error())
+
+    def module(self):
+        return self._mod().module()
+
+
+_native = _NativeShim()
+_lock = threading.RLock()
+_state: dict[str, Any] = {"runtime": None, "logged": set()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSizeHint:
+    normal_bytes: int  # per rank, normal-mode staging
+    low_latency_bytes: int  # per rank, low-latency buffers
+    total_bytes: int
+
+
+@dataclasses.dataclass
+class GroupInfo:
+    axis_name: str
+    device_ids: tuple[int, ...]  # in rank order along axis_name
+    native_id: int | None = None  # id of the native group (CUDA backend)
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What `initialize` set up. Printable; tests and the benchmark read it."""
+
+    process_model: str  # "single-process" or "multi-process"
+    transport: str  # "xla-collectives" (reference) or "cuda-peer" (in-process peer access)
+    backends: dict  # EPConfig -> "reference" | "cuda"
+    groups: dict  # (axis_name, mesh axis sizes) -> list[GroupInfo]
+    buffer_bytes: int  # per device, allocated by jax_ep (0 for the reference backend)
+    timings: dict  # step name -> seconds
+    configs: tuple
+    mesh_shape: dict
+
+    def summary(self) -> str:
+        steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.timings.items())
+        return (f"jax_ep runtime: {self.process_model}, transport {self.transport}, "
+                f"{sum(len(g) for g in self.groups.values())} EP group(s), {self.buffer_bytes} buffer bytes per "
+                f"device; {steps}")
+
+
+def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
+    """Device bytes one rank needs for `cfg` on the CUDA backend (like DeepEP's size hints)."""
+    cfg.check_num_ranks(num_ranks)
+    from . import buffer_layout
+
+    normal = buffer_layout.normal_buffer_bytes(
+        hidden=cfg.hidden, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
+        num_ranks=num_ranks, capacity=cfg.capacity(num_ranks), num_experts=cfg.num_experts)
+    ll_fn = getattr(buffer_layout, "low_latency_buffer_bytes", None)
+    low_latency = 0 if ll_fn is None else ll_fn(
+        hidden=cfg.hidden, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
+        num_ranks=num_ranks, num_experts=cfg.num_experts)
+    return BufferSizeHint(normal, low_latency, normal + low_latency)
+
+
+def _log_once(key, msg, *args):
+    if key not in _state["logged"]:
+        _state["logged"].add(key)
+        log.warning(msg, *args)
+
+
+def _platform_of_devices(devices) -> str:
+    return devices[0].platform if len(devices) else jax.default_backend()
+
+
+def _trace_platform() -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) if device is not None else None
+    return platform or jax.default_backend()
+
+
+def resolve_backend(cfg: EPConfig, platform: str | None = None) -> str:
+    """'reference' or 'cuda' for this config on this platform (SPEC §2 'auto')."""
+    platform = platform or _trace_platform()
+    on_gpu = platform in ("gpu", "cuda")
+    if cfg.backend == "reference":
+        return "reference"
+    if cfg.backend == "cuda":
+        if not _native.available():
+            raise EPError(f"EPConfig.backend='cuda' but the jax_ep CUDA extension is not available: "
+                          f"{_native.load_error()}")
+        if not on_gpu:
+            raise EPError(f"EPConfig.backend='cuda' needs arrays on CUDA devices; this program runs on {platform!r}")
+        return "cuda"
+    chosen = "cuda" if (on_gpu and _native.available()) else "reference"
+    why = "" if chosen == "cuda" else (
+        f" (platform {platform!r})" if not on_gpu else f" (CUDA extension unavailable: {_native.load_error()})")
+    _log_once(("auto", cfg, chosen), "jax_ep: backend='auto' uses the %s backend%s", chosen, why)
+    return chosen
+
+
+def _groups_of(mesh, axis_name: str) -> list[GroupInfo]:
+    """One group per coordinate of the other mesh axes; device ids in rank order along axis_name."""
+    if axis_name not in mesh.axis_names:
+        raise EPError(f"jax_ep.initialize: EPConfig.axis_name={axis_name!r} is not an axis of the mesh "
+                      f"(axes {tuple(mesh.axis_names)})")
+    devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
+    rows = devices.reshape(-1, devices.shape[-1])
+    return [GroupInfo(axis_name, tuple(int(d.id) for d in row)) for row in rows]
+
+
+def initialize(mesh, *configs: EPConfig, **kwargs) -> Runtime:
+    """Prewarm hook: eager, before tracing; idempotent for the same (mesh, configs).
+
+    Calling it again with more configs adds them (buffers are sized for the largest); calling it with another
+    mesh finalizes the previous runtime first.
+    """
+    if kwargs:
+        raise EPError(f"jax_ep.initialize: unexpected keyword arguments {sorted(kwargs)}")
+    if not configs:
+        raise EPError("jax_ep.initialize: pass at least one EPConfig after the mesh")
+    for i, cfg in enumerate(configs):
+        if not isinstance(cfg, EPConfig):
+            raise EPError(f"jax_ep.initialize: configs[{i}] must be an EPConfig, got {type(cfg).__name__}")
+    with _lock:
+        current: Runtime | None = _state["runtime"]
+        mesh_shape = dict(mesh.shape)
+        if current is not None and current.mesh_shape == mesh_shape and set(configs) <= set(current.configs):
+            return current
+        all_configs = tuple(dict.fromkeys((current.configs if current and current.mesh_shape == mesh_shape
+                                           else ()) + configs))
+        if current is not None:
+            finalize()
+        _state["runtime"] = _build(mesh, all_configs)
+        log.info(_state["runtime"].summary())
+        return _state["runtime"]
+
+
+def _build(mesh, configs) -> Runtime:
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    platform = _platform_of_devices(mesh.devices.flat)
+    backends, groups = {}, {}
+    for cfg in configs:
+        groups_for_axis = _groups_of(mesh, cfg.axis_name)
+        cfg.check_num_ranks(len(groups_for_axis[0].device_ids))
+        backends[cfg] = resolve_backend(cfg, platform)
+        groups.setdefault(cfg.axis_name, groups_for_axis)
+    timings["plan"] = time.perf_counter() - t0
+    multi = jax.process_count() > 1
+    buffer_bytes = 0
+    transport = "xla-collectives"
+    cuda_configs = [c for c, b in backends.items() if b == "cuda"]
+    if cuda_configs:
+        if multi:
+            raise EPError("jax_ep.initialize: the CUDA backend in multi-process mode (NVSHMEM) is not built yet; "
+                          "use backend='reference' or one process driving all local GPUs")
+        t1 = time.perf_counter()
+        buffer_bytes = max(buffer_size_hint(c, len(groups[c.axis_name][0].device_ids)).total_bytes
+                           for c in cuda_configs)
+        for axis in {c.axis_name for c in cuda_configs}:
+            for group in groups[axis]:
+                ordinals = [_local_ordinal(d) for d in group.device_ids]
+                group.native_id = _native.module().intranode_create_group(ordinals, buffer_bytes)
+        timings["allocate_and_connect"] = time.perf_counter() - t1
+        transport = "cuda-peer"
+    return Runtime(process_model="multi-process" if multi else "single-process", transport=transport,
+                   backends=backends, groups=groups, buffer_bytes=buffer_bytes, timings=timings,
+                   configs=configs, mesh_shape=dict(mesh.shape))
+
+
+def _local_ordinal(device_id: int) -> int:
+    for d in jax.local_devices():
+        if d.id == device_id:
+            return int(getattr(d, "local_hardware_id", d.id))
+    raise EPError(f"jax_ep.initialize: device {device_id} is not local to this process")
+
+
+def finalize() -> None:
+    """Releases what `initialize` set up. Safe to call twice; `initialize` works again afterwards."""
+    with _lock:
+        current: Runtime | None = _state["runtime"]
+        _state["runtime"] = None
+        if current is None:
+            return
+        for groups in current.groups.values():
+            for group in groups:
+                if group.native_id is not None:
+                    _native.module().intranode_destroy_group(group.native_id)
+                    group.native_id = None
+
+
+def current() -> Runtime | None:
+    return _state["runtime"]
+
+
+def runtime_for(cfg: EPConfig) -> Runtime:
+    """The runtime that knows `cfg`; initializes at trace time (logging once) when there is none."""
+    with _lock:
+        rt: Runtime | None = _state["runtime"]
+        if rt is not None and cfg in rt.backends:
+            return rt
+        mesh = jax.sharding.get_abstract_mesh()
+        _log_once(("lazy", cfg), "jax_ep: no runtime for %s; initializing at trace time. Call "
+                  "jax_ep.initialize(mesh, cfg) before tracing so the first call runs at full speed.", cfg)
+        concrete = _guess_mesh(mesh)
+        if rt is not None and rt.mesh_shape == dict(concrete.shape):
+            return initialize(concrete, *rt.configs, cfg)
+        return initialize(concrete, cfg)
+
+
+def _guess_mesh(abstract_mesh):
+    """The concrete mesh of the program being traced is not visible inside shard_map: rebuild it in
+    `jax.make_mesh` order. Explicit `initialize(mesh, ...)` avoids the guess (docs/API.md)."""
+    names = tuple(abstract_mesh.axis_names)
+    sizes = tuple(abstract_mesh.axis_sizes)
+    devices = np.asarray(jax.devices()[: int(np.prod(sizes))]).reshape(sizes)
+    return jax.sharding.Mesh(devices, names)
+
+
+def group_id_for(cfg: EPConfig) -> int:
+    """Native group-set id for the CUDA backend: every device finds its own group and rank from it."""
+    rt = runtime_for(cfg)
+    group = rt.groups[cfg.axis_name][0]
+    if group.native_id is None:
+        raise EPError(f"jax_ep: config {cfg} does not use the CUDA backend in the current runtime")
+    return group.native_id

@@ -1,0 +1,113 @@
+"""Ops inside scan, AOT lower/compile, jax.export round trips, runtime lifecycle (SPEC §2, §5)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from helpers import ep_mesh, random_topk, sharded
+
+R, E, H, K, T = 4, 8, 128, 2, 6
+CFG = jax_ep.EPConfig(E, H, K, T, backend="reference")
+
+
+def _routing(rng, steps):
+    return jnp.asarray(np.stack([np.concatenate([random_topk(rng, T, E, K) for _ in range(R)])
+                                 for _ in range(steps)]))
+
+
+def _step(x, idx):
+    """One EP round trip: every token comes back multiplied by the number of ranks that hold it."""
+    out = jax_ep.dispatch(x, idx, jnp.ones(idx.shape, jnp.float32), CFG)
+    y, _ = jax_ep.combine(out.recv_x, out.handle, CFG)
+    return y
+
+
+def test_scan_with_changing_routing():
+    rng = np.random.default_rng(7)
+    steps = 20
+    idx = _routing(rng, steps)
+    x = jnp.asarray(rng.integers(-4, 5, size=(R * T, H)), jnp.bfloat16)
+
+    def body(x, idx_steps):
+        def step(carry, idx):
+            y = _step(x, idx)
+            return carry + jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "ep"), y
+        total, ys = jax.lax.scan(step, jnp.zeros(()), idx_steps)
+        return ys, jnp.broadcast_to(total, (1,))
+
+    fn = jax.jit(jax.shard_map(body, mesh=ep_mesh(R), in_specs=(P("ep"), P(None, "ep")),
+                               out_specs=(P(None, "ep"), P("ep"))))
+    ys, _ = fn(x, idx)
+    for s in range(steps):
+        ranks = np.zeros((R * T,), np.int64)
+        for r in range(R):
+            ranks += np.any(np.asarray(idx[s]) // (E // R) == r, axis=1)
+        np.testing.assert_array_equal(np.asarray(ys[s], np.float32), np.asarray(x, np.float32) * ranks[:, None],
+                                      err_msg=f"step {s}")
+
+
+def test_lower_compile_and_export_round_trip():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(R * T, H)), jnp.bfloat16)
+    idx = _routing(rng, 1)[0]
+    mesh = ep_mesh(R)
+    fn = sharded(_step, mesh, 2)
+    x, idx = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("ep"))) for a in (x, idx))
+    compiled = fn.lower(x, idx).compile()
+    expected = np.asarray(compiled(x, idx), np.float32)
+    np.testing.assert_array_equal(np.asarray(fn(x, idx), np.float32), expected)
+
+    exported = jax.export.export(fn)(x, idx)
+    blob = exported.serialize()
+    restored = jax.export.deserialize(blob)
+    np.testing.assert_array_equal(np.asarray(restored.call(x, idx), np.float32), expected)
+
+
+def test_initialize_idempotent_and_finalize(caplog):
+    mesh = ep_mesh(R)
+    rt = jax_ep.initialize(mesh, CFG)
+    assert rt.backends[CFG] == "reference" and rt.transport == "xla-collectives"
+    assert [g.device_ids for g in rt.groups["ep"]] == [tuple(d.id for d in mesh.devices)]
+    assert jax_ep.initialize(mesh, CFG) is rt
+    ll_cfg = jax_ep.EPConfig(E, H, K, 2, backend="reference")
+    rt2 = jax_ep.initialize(mesh, ll_cfg)  # adds a config, keeps the first
+    assert set(rt2.configs) == {CFG, ll_cfg}
+    jax_ep.finalize()
+    jax_ep.finalize()  # twice is fine
+    assert jax_ep.initialize(mesh, CFG).configs == (CFG,)
+    jax_ep.finalize()
+
+
+def test_groups_of_a_dp_by_ep_mesh():
+    mesh = ep_mesh(2, dp=2)
+    rt = jax_ep.initialize(mesh, jax_ep.EPConfig(E, H, K, T, backend="reference"))
+    ids = np.asarray([[d.id for d in row] for row in mesh.devices])
+    assert [g.device_ids for g in rt.groups["ep"]] == [tuple(ids[0]), tuple(ids[1])]
+    jax_ep.finalize()
+
+
+def test_initialize_errors():
+    with pytest.raises(jax_ep.EPError, match=r"axis_name='experts' is not an axis of the mesh"):
+        jax_ep.initialize(ep_mesh(R), jax_ep.EPConfig(E, H, K, T, axis_name="experts"))
+    with pytest.raises(jax_ep.EPError, match="configs\\[0\\] must be an EPConfig"):
+        jax_ep.initialize(ep_mesh(R), "cfg")
+    with pytest.raises(ValueError, match=r"num_experts \(8\) must be divisible"):
+        jax_ep.initialize(ep_mesh(3), CFG)
+    with pytest.raises(jax_ep.EPError, match="backend='cuda'"):
+        jax_ep.initialize(ep_mesh(R), jax_ep.EPConfig(E, H, K, T, backend="cuda"))
+
+
+def test_auto_backend_on_cpu_logs_choice(caplog):
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="auto", num_sms=20)
+    with caplog.at_level(logging.WARNING, logger="jax_ep"):
+        rt = jax_ep.initialize(ep_mesh(R), cfg)
+    assert rt.backends[cfg] == "reference"
+    assert any("uses the reference backend" in r.getMessage() for r in caplog.records)
+    jax_ep.finalize()
