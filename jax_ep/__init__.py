@@ -10,6 +10,7 @@ from .ops import (combine, dispatch, get_dispatch_layout, low_latency_combine, l
                   low_latency_combine_send, low_latency_dispatch, low_latency_dispatch_recv,
                   low_latency_dispatch_send)
 from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize
+from . import fp8
 from .validation import EPError, EPTypeError
 
 __version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""python -m jax_ep.bench: jax_ep against the JAX collectives a user has today, in one harness and one run.
+
+    python -m jax_ep.bench --mode normal --tokens 512,1024,2048,4096      # DeepEP's normal-mode shapes
+    python -m jax_ep.bench --mode low_latency                               # T=128 H=7168 K=8 E=288
+    python -m jax_ep.bench --out bench_out                                  # JSON + PNG plot there
+
+Method (PERFORMANCE.md): per op, a jitted fori_loop of N chained calls, wall time / N, median of several loops;
+bandwidth = bytes of rows this rank receives (local rows included; fp8 counts 1 byte per element + 4 per 128
+channels) / time, averaged over ranks. Without GPUs it runs small shapes on 8 emulated CPU devices and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .contenders import low_latency_contenders, normal_contenders  # noqa: E402
+from .harness import time_op  # noqa: E402
+
+
+def parse_args(argv, on_gpu):
+    p = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["normal", "low_latency", "all"], default="all")
+    p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (normal mode sweep)")
+    p.add_argument("--ll-tokens", default=None, help="comma-separated tokens per rank (low-latency sweep)")
+    p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256)
+    p.add_argument("--topk", type=int, default=8 if on_gpu else 4)
+    p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="normal mode experts")
+    p.add_argument("--ll-experts", type=int, default=288 if on_gpu else 32, help="low-latency experts")
+    p.add_argument("--ranks", type=int, default=None, help="EP size (default: all devices)")
+    p.add_argument("--calls", type=int, default=20, help="chained calls per timed loop (N >= 20)")
+    p.add_argument("--loops", type=int, default=5, help="timed loops; the median is reported")
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders")
+    p.add_argument("--out", default="bench_out", help="folder for results.json and the plots")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in (args.tokens or ("4096" if on_gpu else "16,64")).split(",")]
+    args.ll_tokens = [int(t) for t in (args.ll_tokens or ("128" if on_gpu else "16")).split(",")]
+    return args
+
+
+def main(argv=None):
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    args = parse_args(argv, bool(gpus))
+    devices = (gpus or jax.devices("cpu"))[: args.ranks]
+    machine = (f"{len(gpus)}x {gpus[0].device_kind}" if gpus else
+               f"{len(devices)} emulated CPU devices on {platform.machine()} (small shapes; not GPU numbers)")
+    print(f"jax_ep.bench on {machine}; jax {jax.__version__}; process model: single process, "
+          f"{jax.process_count()} process(es)")
+    if not gpus:
+        print("note: XLA:CPU has no ragged_all_to_all, so the ragged baselines are skipped on CPU")
+    rng = np.random.default_rng(args.seed)
+    only = [s for s in args.only.split(",") if s]
+    results = []
+    sweeps = []
+    if args.mode in ("normal", "all"):
+        sweeps += [("normal", t, args.experts) for t in args.tokens]
+    if args.mode in ("low_latency", "all"):
+        sweeps += [("low_latency", t, args.ll_experts) for t in args.ll_tokens]
+    for mode, tokens, experts in sweeps:
+        maker = normal_contenders if mode == "normal" else low_latency_contenders
+        cases = maker(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
+                      num_sms=args.num_sms, with_ragged=bool(gpus))
+        cases = [c for c in cases if not only or any(s in c.name for s in only)]
+        for i, case in enumerate(cases):
+            print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                timing = time_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
+                                 num_calls=args.calls, loops=args.loops, first_call=case.first_call)
+            except Exception as e:  # a baseline XLA cannot run is reported, not fatal
+                print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                results.append(dict(mode=mode, tokens=tokens, name=case.name, kind=case.kind, error=str(e)[:500]))
+                continue
+            gbps = case.bytes_received / timing.seconds / 1e9
+            results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
+                                ranks=len(devices), name=case.name, kind=case.kind, op=case.op_kind,
+                                us=timing.seconds * 1e6, gbps=gbps, spread=timing.spread,
+                                first_call_us=None if timing.first_call is None else timing.first_call * 1e6,
+                                single_call_us=None if timing.single_call is None else timing.single_call * 1e6,
+                                bytes_received=case.bytes_received))
+            print(f"    {timing.seconds * 1e6:9.1f} us  {gbps:7.1f} GB/s  (spread {timing.spread:.0%}, "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    print_table(results)
+    write_outputs(results, args, machine)
+    return 0
+
+
+def print_table(results):
+    print("\n| mode | T | contender | op | time (us) | GB/s | x best JAX baseline | first call / steady |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['tokens']} | {r['name']} | | failed | | | |")
+            continue
+        base = [b["us"] for b in results if b.get("kind") == "baseline" and "error" not in b
+                and b["mode"] == r["mode"] and b["tokens"] == r["tokens"] and b["op"] == r["op"]]
+        speedup = f"{min(base) / r['us']:.2f}x" if base and r["kind"] == "jax_ep" else ""
+        ratio = (f"{r['first_call_us'] / r['single_call_us']:.2f}" if r.get("first_call_us") and
+                 r.get("single_call_us") else "")
+        print(f"| {r['mode']} | {r['tokens']} | {r['name']} | {r['op']} | {r['us']:.1f} | {r['gbps']:.1f} | "
+              f"{speedup} | {ratio} |")
+
+
+def write_outputs(results, args, machine):
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine, jax=jax.__version__,
+                command="python -m jax_ep.bench " + " ".join(sys.argv[1:]))
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"\nwrote {path}")
+    try:
+        from .plot import plot_results
+        for png in plot_results(results, args.out, machine):
+            print(f"wrote {png}")
+    except ImportError as e:
+        print(f"no plot: {e} (pip install matplotlib)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

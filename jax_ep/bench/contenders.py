@@ -1,0 +1,179 @@
+"""The contenders of one benchmark shape: jax_ep's ops and the JAX baselines, on the same routing."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ep
+
+from . import baselines
+from .harness import feed_row
+
+AXIS = "ep"
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    kind: str  # "jax_ep" or "baseline"
+    op_kind: str  # "dispatch" or "combine": speedups compare within one op kind
+    op: Callable
+    args: tuple
+    mesh: Mesh
+    in_specs: tuple
+    bytes_received: float  # mean over ranks of the row bytes a rank receives
+    feedback: Callable = feed_row
+    first_call: bool = False
+
+
+def deepep_routing(rng, ranks, tokens, experts, topk):
+    """scores |N(0,1)| + 1 per expert, top-k without repeats (DeepEP's tests), for every rank: [R*T, K]."""
+    scores = np.abs(rng.normal(size=(ranks * tokens, experts))) + 1
+    return np.argsort(-scores, axis=1)[:, :topk].astype(np.int32)
+
+
+def _random(shape, rng):
+    """bf16 N(0,1) data made on the device (never time on zeros: they hide unwritten rows)."""
+    key = jax.random.key(int(rng.integers(2**31)))
+    return jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))(key)
+
+
+def _received_rows(idx, ranks, tokens, experts):
+    """Mean over ranks of rows received in normal mode (one per token per destination rank)."""
+    dest = idx // (experts // ranks)
+    in_rank = np.stack([np.any(dest == r, axis=1) for r in range(ranks)], axis=1)  # [R*T, R]
+    return in_rank.sum() / ranks
+
+
+def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
+    ranks = len(devices)
+    mesh = Mesh(np.array(devices), (AXIS,))
+    cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
+    jax_ep.initialize(mesh, cfg)
+    idx = deepep_routing(rng, ranks, tokens, experts, topk)
+    rows = _received_rows(idx, ranks, tokens, experts)
+    x = _random((ranks * tokens, hidden), rng)
+    w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
+    idx = jnp.asarray(idx)
+    q, scales = jax.jit(jax_ep.fp8.quantize_blocks)(x)
+    bf16_bytes, fp8_bytes = rows * hidden * 2, rows * (hidden + hidden // 128 * 4)
+    spec = P(AXIS)
+
+    def ep_dispatch(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, cfg).recv_x
+
+    def ep_dispatch_fp8(x, s, idx, w):
+        return jax_ep.dispatch(x, idx, w, cfg, x_scales=s).recv_x
+
+    def prepare(x, i, w):
+        out = jax_ep.dispatch(x, i, w, cfg)
+        return (out.recv_x,) + tuple(out.handle)
+
+    recv_x, *handle = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(x, idx, w)
+
+    def ep_combine(expert_out, *handle):
+        return jax_ep.combine(expert_out, jax_ep.DispatchHandle(*handle), cfg)[0]
+
+    cases = [
+        Case("jax_ep dispatch bf16", "jax_ep", "dispatch", ep_dispatch, (x, idx, w), mesh, (spec,) * 3,
+             bf16_bytes, first_call=True),
+        Case("jax_ep dispatch fp8", "jax_ep", "dispatch fp8", ep_dispatch_fp8, (q, scales, idx, w), mesh,
+             (spec,) * 4, fp8_bytes),
+        Case("jax_ep combine bf16", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
+             (spec,) * (1 + len(handle)), bf16_bytes, first_call=True),
+        Case("all_to_all padded dispatch", "baseline", "dispatch",
+             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (x, idx), mesh,
+             (spec,) * 2, bf16_bytes),
+        Case("all_to_all padded dispatch", "baseline", "dispatch fp8",
+             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (q, idx), mesh,
+             (spec,) * 2, fp8_bytes),
+        Case("all_to_all padded combine", "baseline", "combine", lambda r: baselines.padded_all_to_all_combine(
+            r, AXIS), (_random((ranks * ranks, tokens, hidden), rng),), mesh, (spec,), bf16_bytes),
+    ]
+    if with_ragged:
+        capacity = ranks * tokens
+
+        def ragged(copies_fn, cap):
+            def op(x, idx):
+                rows_, dest = copies_fn(x, idx, experts, ranks)
+                return baselines.ragged_dispatch(rows_, dest, cap, ranks, AXIS)[0]
+            return op
+
+        cases += [
+            Case("ragged_all_to_all per rank dispatch", "baseline", "dispatch",
+                 ragged(baselines.ragged_per_rank_rows, capacity), (x, idx), mesh, (spec,) * 2, bf16_bytes),
+            Case("ragged_all_to_all per (token,expert) dispatch", "baseline", "dispatch",
+                 ragged(baselines.ragged_per_expert_rows, capacity * topk), (x, idx), mesh, (spec,) * 2,
+                 bf16_bytes),
+            _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, bf16_bytes),
+        ]
+    return cases
+
+
+def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
+    spec = P(AXIS)
+
+    def prepare(x, idx):
+        rows_, dest = baselines.ragged_per_rank_rows(x, idx, experts, ranks)
+        recv, plan = baselines.ragged_dispatch(rows_, dest, ranks * tokens, ranks, AXIS)
+        return (recv,) + plan
+
+    prepared = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2, out_specs=spec))(x, idx)
+
+    def op(recv, *plan):
+        return baselines.ragged_combine(recv, plan, tokens, ranks, AXIS)
+
+    return Case("ragged_all_to_all per rank combine", "baseline", "combine", op, tuple(prepared), mesh,
+                (spec,) * len(prepared), nbytes)
+
+
+def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
+    ranks = len(devices)
+    mesh = Mesh(np.array(devices), (AXIS,))
+    cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
+    jax_ep.initialize(mesh, cfg)
+    idx = deepep_routing(rng, ranks, tokens, experts, topk)
+    pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
+    x = _random((ranks * tokens, hidden), rng)
+    w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
+    idx = jnp.asarray(idx)
+    spec = P(AXIS)
+
+    def ll_dispatch(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True).recv_x
+
+    def prepare(x, i):
+        ll = jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False)
+        return (ll.recv_x,) + tuple(ll.handle)
+
+    recv_x, src_info, layout_range = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2,
+                                                           out_specs=spec))(x, idx)
+
+    def ll_combine(expert_out, idx, w, src_info, layout_range):
+        return jax_ep.low_latency_combine(expert_out, idx, w, jax_ep.LowLatencyHandle(src_info, layout_range), cfg)
+
+    fp8_bytes, bf16_bytes = pairs * (hidden + hidden // 128 * 4), pairs * hidden * 2
+    cases = [
+        Case("jax_ep LL dispatch fp8", "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2, fp8_bytes,
+             first_call=True),
+        Case("jax_ep LL combine bf16", "jax_ep", "combine", ll_combine, (recv_x, idx, w, src_info, layout_range),
+             mesh, (spec,) * 5, bf16_bytes, first_call=True),
+        Case("all_to_all padded dispatch", "baseline", "dispatch",
+             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (x, idx), mesh,
+             (spec,) * 2, fp8_bytes),
+        Case("all_to_all padded combine", "baseline", "combine", lambda r: baselines.padded_all_to_all_combine(
+            r, AXIS), (_random((ranks * ranks, tokens, hidden), rng),), mesh, (spec,), bf16_bytes),
+    ]
+    if with_ragged:
+        def ragged(x, idx):
+            rows_, dest = baselines.ragged_per_expert_rows(x, idx, experts, ranks)
+            return baselines.ragged_dispatch(rows_, dest, ranks * tokens * topk, ranks, AXIS)[0]
+        cases.append(Case("ragged_all_to_all per (token,expert) dispatch", "baseline", "dispatch", ragged, (x, idx),
+                          mesh, (spec,) * 2, fp8_bytes))
+    return cases

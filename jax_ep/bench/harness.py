@@ -1,0 +1,72 @@
+"""Timing method of PERFORMANCE.md: a jitted loop of N back-to-back calls, median of several loops.
+
+Each loop carries the op's input and writes one row of the op's output back into it (an in-place
+dynamic-update-slice), so every call depends on the previous one: nothing is loop-invariant, nothing is dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass
+class Timing:
+    name: str
+    seconds: float  # median per call
+    spread: float  # (max - min) / median over the loops
+    first_call: float | None  # wall time of the first execution of a one-call program (compile excluded)
+    single_call: float | None  # median wall time of later executions of that one-call program
+    loops: int
+    calls_per_loop: int
+
+
+def chained_loop(op: Callable, num_calls: int, mesh, in_specs, feedback: Callable):
+    """jit(shard_map(loop)) running `op(*args)` num_calls times; feedback(args, out) -> args of the next call."""
+
+    def body(*args):
+        def step(_, carry):
+            return feedback(carry, op(*carry))
+        return jax.lax.fori_loop(0, num_calls, step, tuple(args))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=in_specs))
+
+
+def feed_row(carry, out):
+    """Write the first row of `out` into the first row of carry[0] (cast, truncated or zero-padded to fit)."""
+    x = carry[0]
+    width = x.shape[-1]
+    row = out.reshape(-1, out.shape[-1])[0, :width].astype(x.dtype)
+    row = jnp.pad(row, (0, width - row.shape[0])).reshape((1,) * (x.ndim - 1) + (width,))
+    return (jax.lax.dynamic_update_slice(x, row, (0,) * x.ndim),) + tuple(carry[1:])
+
+
+def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True) -> Timing:
+    args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs))
+    first = steady_single = None
+    if first_call:  # one call, compiled ahead: the first execution's latency (compile excluded)
+        single = chained_loop(op, 1, mesh, in_specs, feedback).lower(*args).compile()
+        t0 = time.perf_counter()
+        jax.block_until_ready(single(*args))
+        first = time.perf_counter() - t0
+        single_times = []
+        for _ in range(loops):
+            t0 = time.perf_counter()
+            jax.block_until_ready(single(*args))
+            single_times.append(time.perf_counter() - t0)
+        steady_single = statistics.median(single_times)
+    loop = chained_loop(op, num_calls, mesh, in_specs, feedback).lower(*args).compile()
+    jax.block_until_ready(loop(*args))  # warm-up
+    samples = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        samples.append((time.perf_counter() - t0) / num_calls)
+    med = statistics.median(samples)
+    return Timing(name, med, (max(samples) - min(samples)) / med, first, steady_single, loops, num_calls)
