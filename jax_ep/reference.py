@@ -65,15 +65,18 @@ def _send_positions(in_rank: jax.Array) -> jax.Array:
 def _scatter_to_slots(rows: jax.Array, send_pos: jax.Array, t_max: int, per_dest: bool = False) -> jax.Array:
     """rows [T, ...] (or [T, R, ...] with per_dest: one value per destination), send_pos [T, R] -> [R, T_max, ...].
 
-    Slot (r, send_pos[t, r]) holds row t for destination r; unsent slots are 0.
+    Slot (r, send_pos[t, r]) holds row t for destination r; unsent slots are 0. Built as a gather through the
+    inverse permutation (sorting send_pos per destination), which XLA runs well on every platform.
     """
     num_tokens, num_ranks = send_pos.shape
-    if not per_dest:
-        rows = jnp.broadcast_to(rows[:, None], (num_tokens, num_ranks) + rows.shape[1:])
-    dest = jnp.broadcast_to(jnp.arange(num_ranks, dtype=I32), (num_tokens, num_ranks))
-    slot = jnp.where(send_pos >= 0, send_pos, t_max)  # t_max is out of bounds: dropped by the scatter
-    buf = jnp.zeros((num_ranks, t_max) + rows.shape[2:], rows.dtype)
-    return buf.at[dest, slot].set(rows, mode="drop", unique_indices=True)
+    token_of_slot = jnp.argsort(jnp.where(send_pos >= 0, send_pos, num_tokens), axis=0).T  # [R, T]
+    filled = jnp.arange(num_tokens)[None, :] < jnp.sum(send_pos >= 0, axis=0)[:, None]  # [R, T]
+    if per_dest:
+        slots = rows[token_of_slot, jnp.arange(num_ranks)[:, None]]
+    else:
+        slots = rows[token_of_slot]
+    slots = jnp.where(filled.reshape(filled.shape + (1,) * (slots.ndim - 2)), slots, jnp.zeros((), rows.dtype))
+    return _pad_tokens(slots, t_max, axis=1)
 
 
 def _row_sources(recv_rank_counts: jax.Array, capacity: int):
@@ -164,7 +167,7 @@ def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: i
 
     def reduce(rows):
         buf = jnp.zeros((num_ranks, t_max) + rows.shape[1:], jnp.float32)
-        buf = buf.at[src, slot].set(rows.astype(jnp.float32), mode="drop", unique_indices=True)
+        buf = buf.at[src, slot].set(rows.astype(jnp.float32), mode="drop")
         back = _exchange(buf, cfg)  # [R_expert_rank, T_max, ...]: my j-th token sent to that rank
         pos = handle.send_pos  # [T, R]
         gathered = back[jnp.arange(num_ranks)[None, :], jnp.maximum(pos, 0)]  # [T, R, ...]
@@ -210,7 +213,7 @@ def ll_to_sources(rows, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int)
     src, token, _ = _ll_row_slots(handle.layout_range, handle.src_info, t_max)
     buf = jnp.zeros((num_ranks, num_local, t_max) + rows.shape[2:], jnp.float32)
     experts = jnp.broadcast_to(jnp.arange(num_local)[:, None], src.shape)
-    buf = buf.at[src, experts, token].set(rows.astype(jnp.float32), mode="drop", unique_indices=True)
+    buf = buf.at[src, experts, token].set(rows.astype(jnp.float32), mode="drop")
     return _exchange(buf, cfg)
 
 

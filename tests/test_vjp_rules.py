@@ -27,8 +27,12 @@ def _inputs(rng, num_ranks, capacity=None):
     return cfg, x, jnp.asarray(idx), w
 
 
-def _random_like(rng, tree):
-    return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), tree)
+def _assert_close_bf16(got, want, msg):
+    """Relative error in norm (bf16 roundings in different places: elementwise checks flake on cancellation)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), f"{msg}: non-finite values"
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert rel < 1e-2, f"{msg}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("num_ranks,capacity", [(2, None), (4, None), (4, 7)])
@@ -61,9 +65,7 @@ def test_dispatch_combine_vjp_equals_autodiff(num_ranks, capacity):
                   lambda v, h, w: jax_ep.combine(v, h, cfg, w))
     auto = program(lambda x, i, w: reference.dispatch(x, None, i, w, cfg, num_ranks),
                    lambda v, h, w: reference.combine(v, w, h, cfg, num_ranks))
-    for a, b, name in zip(ops, auto, ("d x", "d topk_weights")):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=2e-2,
-                                   err_msg=f"{name}, seed {seed}")
+    _assert_close_bf16(ops[0], auto[0], f"d x, seed {seed}")
     # The weight gradient is exact f32 arithmetic on both sides: demand it tightly.
     np.testing.assert_allclose(np.asarray(ops[1]), np.asarray(auto[1]), rtol=1e-5, atol=1e-5,
                                err_msg=f"seed {seed}")
@@ -101,6 +103,5 @@ def test_low_latency_vjp_equals_autodiff(num_ranks):
     ops = program(lambda x, i: jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False),
                   lambda o, i, w, h: jax_ep.low_latency_combine(o, i, w, h, cfg))
     auto = program(ref_dispatch, ref_combine)
-    for a, b, name in zip(ops, auto, ("d x", "d topk_weights")):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=5e-2,
-                                   err_msg=f"{name}, seed {seed}")
+    _assert_close_bf16(ops[0], auto[0], f"d x, seed {seed}")
+    _assert_close_bf16(ops[1], auto[1], f"d topk_weights, seed {seed}")
