@@ -17,35 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _native
 from .config import EPConfig
 from .validation import EPError
 
 log = logging.getLogger("jax_ep")
 
-
-class _NativeShim:
-    """Lazy view of jax_ep._native (owned by the native layer); absent module = no extension."""
-
-    def _mod(self):
-        try:
-            from . import _native
-            return _native
-        except ImportError as e:  # pragma: no cover - only before the native layer exists
-            return e
-
-    def available(self) -> bool:
-        mod = self._mod()
-        return not isinstance(mod, Exception) and bool(mod.available())
-
-    def load_error(self) -> str:
-        mod = self._mod()
-        return str(mod) if isinstance(mod, Exception) else str(mod.load_error())
-
-    def module(self):
-        return self._mod().module()
-
-
-_native = _NativeShim()
 _lock = threading.RLock()
 _state: dict[str, Any] = {"runtime": None, "logged": set()}
 
@@ -195,10 +172,13 @@ def _build(mesh, configs) -> Runtime:
         t1 = time.perf_counter()
         buffer_bytes = max(buffer_size_hint(c, len(groups[c.axis_name][0].device_ids)).total_bytes
                            for c in cuda_configs)
+        _native.ensure_registered()
         for axis in {c.axis_name for c in cuda_configs}:
+            set_id = -1  # the groups of one mesh axis (e.g. dp x ep) share a set id: one handler attribute value
             for group in groups[axis]:
                 ordinals = [_local_ordinal(d) for d in group.device_ids]
-                group.native_id = _native.module().intranode_create_group(ordinals, buffer_bytes)
+                group.native_id = _native.module().intranode_create_group(ordinals, buffer_bytes, set_id)
+                set_id = groups[axis][0].native_id
         timings["allocate_and_connect"] = time.perf_counter() - t1
         transport = "cuda-peer"
     return Runtime(process_model="multi-process" if multi else "single-process", transport=transport,
@@ -256,7 +236,8 @@ def _guess_mesh(abstract_mesh):
 
 
 def group_id_for(cfg: EPConfig) -> int:
-    """Native group-set id for the CUDA backend: every device finds its own group and rank from it."""
+    """Native group-set id for the CUDA backend: every device finds its own group (and rank) from it and its
+    device ordinal, so one attribute value serves all EP groups of the mesh."""
     rt = runtime_for(cfg)
     group = rt.groups[cfg.axis_name][0]
     if group.native_id is None:

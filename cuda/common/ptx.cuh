@@ -1,0 +1,62 @@
+// Memory-ordering primitives for peer (NVLink, system scope) signalling, vector copies, and bounded waits.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+namespace jax_ep {
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Read-only, streamed once: skip L1 (the source rows are not reused by this SM).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Data written by peers in this op: bypass L1 (L1 is not coherent with peer stores).
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
+
+__device__ __forceinline__ void st_v4(int4* p, const int4& v) { *p = v; }
+
+// Wrap-safe "a has reached b" for the monotonic u32 epochs.
+__device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
+
+// Spins until *flag has reached `target` (acquire, system scope). After timeout_ns it prints who waited for whom
+// and traps: a peer that never arrives ends the program with a message instead of hanging it.
+__device__ __forceinline__ void wait_reached(const uint32_t* flag, uint32_t target, uint64_t timeout_ns,
+                                             const char* what, int rank, int peer) {
+  if (reached(ld_acquire_sys(flag), target)) return;
+  const uint64_t start = global_timer_ns();
+  while (!reached(ld_acquire_sys(flag), target)) {
+    if (global_timer_ns() - start > timeout_ns) {
+      printf("jax_ep: timeout after %llu ns in %s: rank %d waited for rank %d (epoch %u, flag %u); ranks are "
+             "probably running different programs. Trapping.\n",
+             static_cast<unsigned long long>(timeout_ns), what, rank, peer, target, ld_acquire_sys(flag));
+      __trap();
+    }
+  }
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,114 @@
+// POD parameter structs: one per kernel family. Handlers fill them; kernels read them by value.
+// Every pointer is annotated with its shape and dtype; shapes use the names of docs/API.md.
+#pragma once
+
+#include <cstdint>
+
+#include "jax_ep/buffer_layout.h"
+#include "jax_ep/constants.h"
+
+namespace jax_ep {
+
+// Layout (SPEC §3 get_dispatch_layout). T may be 0.
+struct LayoutParams {
+  const int32_t* topk_idx;          // [T, K] s32, values in [-1, E); others treated as -1
+  int32_t* num_tokens_per_rank;     // [R] s32 out
+  int32_t* num_tokens_per_expert;   // [E] s32 out
+  bool* is_token_in_rank;           // [T, R] pred out, optional (nullptr)
+  int32_t* send_pos;                // [T, R] s32 out, optional (nullptr): rank of t among tokens sent to r, else -1
+  int32_t num_tokens;               // T
+  int32_t num_topk;                 // K
+  int32_t num_experts;              // E
+  int32_t num_ranks;                // R (E % R == 0)
+};
+
+
+// ---- intranode (one process, the GPUs of one EP group over NVLink) -------------------------------------------
+
+// Staging buffer base of every rank of the group (this rank's too), as this device addresses them. The in-process
+// transport fills it from cudaMalloc + peer access; an NVSHMEM transport would fill it from nvshmem_ptr.
+// NOTE: passed by value in the kernel parameters (constant bank), so no device-side table lookup per access.
+struct PeerTable {
+  char* base[kMaxGroupRanks];
+};
+
+// What every intranode kernel needs to know about the group.
+struct GroupCtx {
+  PeerTable peers;
+  BufferLayout layout;   // offsets of this call's config inside every rank's staging buffer
+  int32_t rank;          // this device's rank in the group (= its index along the mesh axis)
+  int32_t num_ranks;     // R <= kMaxGroupRanks
+  uint64_t timeout_ns;   // device waits trap after this long
+};
+
+// Dispatch (normal mode): layout + count exchange + direct-addressed row writes + local copy-out.
+struct DispatchParams {
+  GroupCtx g;
+  const void* x;                        // [T, H] bf16 or f8e4m3fn, row_bytes per row
+  const float* x_scales;                // [T, S] f32, S = H/128 (fp8), else nullptr
+  const int32_t* topk_idx;              // [T, K] s32
+  const float* topk_weights;            // [T, K] f32
+  void* recv_x;                         // [C, H] x dtype out
+  float* recv_x_scales;                 // [C, S] f32 out (fp8), else nullptr
+  int32_t* recv_topk_idx;               // [C, K] s32 out
+  float* recv_topk_weights;             // [C, K] f32 out
+  int32_t* num_recv_tokens;             // [] s32 out
+  int32_t* num_recv_tokens_per_expert;  // [L] s32 out
+  int32_t* send_pos;                    // [T, R] s32 out (handle)
+  int32_t* recv_src_idx;                // [C] s32 out (handle)
+  int32_t* recv_src_rank;               // [C] s32 out (handle)
+  int32_t* recv_rank_counts;            // [R] s32 out (handle)
+  int32_t* send_row_offset;             // [R] s32 out (handle)
+  int32_t num_tokens;                   // T
+  int32_t num_topk;                     // K
+  int32_t num_experts;                  // E
+  int32_t capacity;                     // C
+  int32_t row_bytes;                    // H * sizeof(x dtype), multiple of 16
+  int32_t scale_cols;                   // S (0 for bf16)
+  int32_t num_sms;                      // blocks of the NVLink-sending kernel
+  int32_t copy_blocks;                  // blocks of the local copy-out kernel
+};
+
+// Cached dispatch: rows along the routes of an earlier dispatch's handle (no count exchange).
+struct CachedDispatchParams {
+  GroupCtx g;
+  const void* payload;                  // [T, W] bf16 or f32, row_bytes per row
+  const float* weights;                 // [T, Kw] f32, nullptr when Kw == 0
+  const int32_t* send_pos;              // [T, R] s32 (handle)
+  const int32_t* recv_rank_counts;      // [R] s32 (handle)
+  const int32_t* send_row_offset;       // [R] s32 (handle)
+  void* recv;                           // [C, W] out
+  float* recv_weights;                  // [C, Kw] f32 out, nullptr when Kw == 0
+  int32_t num_tokens;                   // T
+  int32_t num_weights;                  // Kw (0 or K)
+  int32_t capacity;                     // C
+  int32_t row_bytes;                    // W * sizeof(payload dtype), multiple of 16
+  int32_t num_sms;
+  int32_t copy_blocks;
+};
+
+enum class CombineDtype : int32_t { kBF16 = 0, kF32 = 1 };
+
+// Combine: each received row goes back to its source into slot [this rank][token]; the source sums in f32.
+struct CombineParams {
+  GroupCtx g;
+  const void* values;                   // [C, W] bf16 or f32
+  const float* weights;                 // [C, Kw] f32, nullptr when Kw == 0
+  const int32_t* send_pos;              // [T, R] s32 (handle)
+  const int32_t* recv_src_idx;          // [C] s32 (handle)
+  const int32_t* recv_src_rank;         // [C] s32 (handle)
+  const int32_t* recv_rank_counts;      // [R] s32 (handle)
+  const int32_t* send_row_offset;       // [R] s32 (handle)
+  void* y;                              // [T, W] values dtype out
+  float* y_weights;                     // [T, Kw] f32 out, nullptr when Kw == 0
+  CombineDtype dtype;
+  int32_t num_tokens;                   // T
+  int32_t max_tokens_per_rank;          // T_max: slot stride per source rank in the staging
+  int32_t num_weights;                  // Kw
+  int32_t capacity;                     // C
+  int32_t row_bytes;                    // W * sizeof(dtype), multiple of 16
+  int32_t num_sms;
+  int32_t copy_blocks;
+};
+
+}  // namespace jax_ep

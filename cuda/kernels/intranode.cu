@@ -1,0 +1,509 @@
+// Normal-mode dispatch / cached dispatch / combine between the GPUs of one process over NVLink.
+//
+// Every op:  barrier -> (dispatch only: count exchange) -> direct-addressed row writes into the destination's
+//            staging -> per-destination completion signal -> local copy / reduction into XLA's output buffers.
+// Rows are written at fixed positions known after the count exchange (send_row_offset[d] + send_pos[t, d]), so
+// there are no ring queues and no head/tail handshakes; rows beyond the capacity are never written.
+//
+// NOTE (why a local copy-out instead of peers writing straight into XLA's recv buffers): the output buffers are
+// allocated by XLA per execution and may come from VMM (cuMemCreate) pools that are not mapped for peers; peers
+// would also need the address of every output of every call (another exchange per op). The copy-out is local HBM
+// traffic (~2 x received bytes at several TB/s) and runs on all SMs after the NVLink phase; see docs/gpu-notes.md.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/layout.cuh"
+#include "common/ptx.cuh"
+#include "jax_ep/api.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
+constexpr int kCopyThreads = 512;
+constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per step (local copy-out)
+// Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores). NOTE: measured on 4x H200, T=4096
+// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; the combine sender got slower with 8
+// (1056 -> 1272 us), so it keeps kUnroll. See docs/gpu-notes.md.
+constexpr int kSendUnroll = 8;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ int num_global_warps() { return (gridDim.x * blockDim.x) >> 5; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Barrier kernel (cached dispatch, combine, group warm-up).
+__global__ void __launch_bounds__(32, 1) barrier_kernel(const GroupCtx g) { group_barrier_block(g, "barrier"); }
+
+// Waits until every rank has signalled that its rows for this op are in this rank's staging.
+// NOTE: waiting happens in this one-warp kernel, never inside the wide copy / reduce kernels that follow it in
+// stream order: a grid of spinning blocks could starve kernels on other streams of this GPU (e.g. an NCCL
+// collective of the same program) that a peer is waiting for, and deadlock the group. Only one block ever spins.
+__global__ void __launch_bounds__(32, 1) wait_data_kernel(const GroupCtx g) {
+  if (static_cast<int>(threadIdx.x) < g.num_ranks)
+    wait_peer(g, threadIdx.x, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
+__global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const DispatchParams p) {
+  __shared__ LayoutSmem sm;
+  __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
+  extern __shared__ int32_t s_expert[];  // [E]
+  const GroupCtx& g = p.g;
+  const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
+
+  LayoutParams lp{};
+  lp.topk_idx = p.topk_idx;
+  lp.send_pos = p.send_pos;
+  lp.num_tokens = p.num_tokens;
+  lp.num_topk = p.num_topk;
+  lp.num_experts = p.num_experts;
+  lp.num_ranks = R;
+  block_layout(lp, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
+  __syncthreads();
+
+  const uint32_t epoch = group_barrier_block(g, "dispatch notify barrier");
+
+  // Publish my row of the count matrix and my per-expert counts for each destination's experts.
+  for (int i = tid; i < R * R; i += blockDim.x) {
+    const int d = i / R, c = i % R;
+    reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.counts)[me * R + c] = sm.rank_base[c];
+  }
+  for (int i = tid; i < R * L; i += blockDim.x) {
+    const int d = i / L, l = i % L;
+    reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.expert_counts)[me * L + l] = s_expert[d * L + l];
+  }
+  __syncthreads();
+  if (tid < R) {
+    signal_peer(g, tid, SignalHeader::kCountFlag, epoch);
+    wait_peer(g, tid, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
+  }
+  __syncthreads();
+
+  char* self = self_base(g);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);
+  if (tid < R * R) s_counts[tid / R][tid % R] = __ldcg(counts + tid);
+  __syncthreads();
+  if (tid < R) {
+    p.recv_rank_counts[tid] = s_counts[tid][me];
+    int32_t off = 0;
+    for (int s = 0; s < me; ++s) off += s_counts[s][tid];
+    p.send_row_offset[tid] = off;
+  }
+  if (tid == 0) {
+    int32_t total = 0;
+    for (int s = 0; s < R; ++s) total += s_counts[s][me];
+    *p.num_recv_tokens = total;
+  }
+  const int32_t* expert_counts = reinterpret_cast<const int32_t*>(self + g.layout.expert_counts);
+  for (int l = tid; l < L; l += blockDim.x) {
+    int32_t n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(expert_counts + s * L + l);
+    p.num_recv_tokens_per_expert[l] = n;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
+// every destination of the token.
+struct SendArgs {
+  GroupCtx g;
+  const char* rows;                // [T, row_bytes]
+  const float* scales;             // [T, scale_cols] or nullptr
+  const int32_t* topk_idx;         // [T, K] (dispatch: converted to the destination's local ids) or nullptr
+  const float* weights;            // [T, num_weights] or nullptr
+  const int32_t* send_pos;         // [T, R]
+  const int32_t* send_row_offset;  // [R]
+  int32_t num_tokens;
+  int32_t row_bytes;
+  int32_t scale_cols;
+  int32_t num_weights;             // K (dispatch) or Kw (cached)
+  int32_t capacity;
+  int32_t experts_per_rank;        // L (dispatch)
+  bool write_src_idx;              // dispatch: the source token index of every row
+};
+
+__global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const SendArgs a) {
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, lane = lane_id();
+  const uint32_t epoch = current_epoch(g);
+  const int n16 = a.row_bytes / 16;
+
+  for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+    // Lane d < R finds the staging row of this token on rank d (-1: not sent, or cut by the capacity).
+    int my_row = -1;
+    if (lane < R) {
+      const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * R + lane);
+      if (sp >= 0) {
+        const int32_t row = __ldg(a.send_row_offset + lane) + sp;
+        if (row < a.capacity) my_row = row;
+      }
+    }
+    int32_t rows[kMaxGroupRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
+
+    const int4* src = reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes);
+    for (int base = 0; base < n16; base += 32 * kSendUnroll) {
+      int4 v[kSendUnroll];
+#pragma unroll
+      for (int j = 0; j < kSendUnroll; ++j) {
+        const int i = base + j * 32 + lane;
+        if (i < n16) v[j] = ld_nc_v4(src + i);
+      }
+#pragma unroll
+      for (int d = 0; d < kMaxGroupRanks; ++d) {
+        if (rows[d] < 0) continue;
+        int4* dst = reinterpret_cast<int4*>(g.peers.base[d] + B.payload + static_cast<int64_t>(rows[d]) * a.row_bytes);
+#pragma unroll
+        for (int j = 0; j < kSendUnroll; ++j) {
+          const int i = base + j * 32 + lane;
+          if (i < n16) st_v4(dst + i, v[j]);
+        }
+      }
+    }
+    for (int j = lane; j < a.scale_cols; j += 32) {
+      const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
+#pragma unroll
+      for (int d = 0; d < kMaxGroupRanks; ++d)
+        if (rows[d] >= 0)
+          reinterpret_cast<float*>(g.peers.base[d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
+    }
+    if (lane < a.num_weights) {
+      const int k = lane, K = a.num_weights;
+      const float w = __ldg(a.weights + static_cast<int64_t>(t) * K + k);
+      int32_t e = -1;
+      if (a.topk_idx != nullptr) {
+        e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + k);
+        if (!valid_expert(e, a.experts_per_rank * R)) e = -1;
+      }
+#pragma unroll
+      for (int d = 0; d < kMaxGroupRanks; ++d) {
+        if (rows[d] < 0) continue;
+        const int64_t at = static_cast<int64_t>(rows[d]) * K + k;
+        if (a.topk_idx != nullptr) {
+          // SPEC: the destination's local expert id where the expert lives there, else -1 (weight 0).
+          const int32_t local = (e >= 0 && e / a.experts_per_rank == d) ? e - d * a.experts_per_rank : -1;
+          reinterpret_cast<int32_t*>(g.peers.base[d] + B.topk_idx)[at] = local;
+          reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = local >= 0 ? w : 0.0f;
+        } else {
+          reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = w;
+        }
+      }
+    }
+    if (a.write_src_idx && lane == 0) {
+#pragma unroll
+      for (int d = 0; d < kMaxGroupRanks; ++d)
+        if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[d] + B.src_idx)[rows[d]] = t;
+    }
+  }
+  finish_and_signal_data(g, epoch);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Copy-out (dispatch and cached dispatch), after wait_data_kernel: copies staging rows [0, min(n, C))
+// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C).
+struct RecvArgs {
+  GroupCtx g;
+  const int32_t* recv_rank_counts;  // [R]
+  int32_t capacity;
+  char* out_rows;                   // [C, row_bytes]
+  int32_t row_bytes;
+  float* out_scales;                // [C, scale_cols] or nullptr
+  int32_t scale_cols;
+  int32_t* out_topk_idx;            // [C, num_weights] or nullptr
+  float* out_weights;               // [C, num_weights] or nullptr
+  int32_t num_weights;
+  int32_t* out_src_idx;             // [C] or nullptr
+  int32_t* out_src_rank;            // [C] or nullptr
+};
+
+__global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs a) {
+  __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, lane = lane_id(), tid = threadIdx.x;
+  if (tid == 0) {
+    s_prefix[0] = 0;
+    for (int s = 0; s < R; ++s) s_prefix[s + 1] = s_prefix[s] + a.recv_rank_counts[s];
+  }
+  __syncthreads();
+  const int32_t valid_rows = min(s_prefix[R], a.capacity);
+  const char* self = self_base(g);
+  const int n16 = a.row_bytes / 16;
+
+  for (int row = global_warp(); row < a.capacity; row += num_global_warps()) {
+    const bool valid = row < valid_rows;
+    const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
+    int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
+    for (int base = 0; base < n16; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base + j * 32 + lane;
+        v[j] = make_int4(0, 0, 0, 0);
+        if (valid && i < n16) v[j] = ld_cg_v4(src + i);
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base + j * 32 + lane;
+        if (i < n16) dst[i] = v[j];
+      }
+    }
+    if (a.out_scales != nullptr) {
+      const float* s_src = reinterpret_cast<const float*>(self + B.scales) + static_cast<int64_t>(row) * a.scale_cols;
+      for (int j = lane; j < a.scale_cols; j += 32)
+        a.out_scales[static_cast<int64_t>(row) * a.scale_cols + j] = valid ? __ldcg(s_src + j) : 0.0f;
+    }
+    if (lane < a.num_weights) {
+      const int64_t at = static_cast<int64_t>(row) * a.num_weights + lane;
+      if (a.out_topk_idx != nullptr)
+        a.out_topk_idx[at] = valid ? __ldcg(reinterpret_cast<const int32_t*>(self + B.topk_idx) + at) : -1;
+      if (a.out_weights != nullptr)
+        a.out_weights[at] = valid ? __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + at) : 0.0f;
+    }
+    if (lane == 0 && a.out_src_idx != nullptr)
+      a.out_src_idx[row] = valid ? __ldcg(reinterpret_cast<const int32_t*>(self + B.src_idx) + row) : -1;
+    if (lane == 0 && a.out_src_rank != nullptr) {
+      int32_t s = -1;
+      if (valid)
+        for (s = 0; s + 1 < R && row >= s_prefix[s + 1]; ++s) {
+        }
+      a.out_src_rank[row] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine step 1: every received row goes back to its source rank s, into s's slot [this rank][source token].
+__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const CombineParams p) {
+  __shared__ int32_t s_valid_rows;
+  const GroupCtx& g = p.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, lane = lane_id();
+  const uint32_t epoch = current_epoch(g);
+  if (threadIdx.x == 0) {
+    int32_t total = 0;
+    for (int s = 0; s < R; ++s) total += p.recv_rank_counts[s];
+    s_valid_rows = min(total, p.capacity);
+  }
+  __syncthreads();
+  const int32_t valid_rows = s_valid_rows;
+  const int n16 = p.row_bytes / 16;
+  const char* values = static_cast<const char*>(p.values);
+
+  for (int row = global_warp(); row < valid_rows; row += num_global_warps()) {
+    const int32_t s = __ldg(p.recv_src_rank + row), t = __ldg(p.recv_src_idx + row);
+    if (s < 0 || s >= R || t < 0 || t >= p.max_tokens_per_rank) continue;  // padding (or a corrupted handle)
+    char* base = peer_base(g, s);
+    const int64_t slot = static_cast<int64_t>(g.rank) * p.max_tokens_per_rank + t;
+    const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
+    int4* dst = reinterpret_cast<int4*>(base + B.payload + slot * p.row_bytes);
+    for (int base_i = 0; base_i < n16; base_i += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base_i + j * 32 + lane;
+        if (i < n16) v[j] = ld_nc_v4(src + i);
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base_i + j * 32 + lane;
+        if (i < n16) st_v4(dst + i, v[j]);
+      }
+    }
+    if (lane < p.num_weights)
+      reinterpret_cast<float*>(base + B.topk_weights)[slot * p.num_weights + lane] =
+          __ldg(p.weights + static_cast<int64_t>(row) * p.num_weights + lane);
+  }
+  finish_and_signal_data(g, epoch);
+}
+
+// Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t], accumulated in f32.
+template <typename Elem>
+struct Pack;
+template <>
+struct Pack<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void add(float* acc, const int4& v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return v;
+  }
+};
+template <>
+struct Pack<float> {
+  static constexpr int kN = 4;
+  __device__ static void add(float* acc, const int4& v) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    float* f = reinterpret_cast<float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = acc[i];
+    return v;
+  }
+};
+
+template <typename Elem>
+__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const CombineParams p) {
+  using P = Pack<Elem>;
+  const GroupCtx& g = p.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, lane = lane_id();
+  const char* self = self_base(g);
+  const int n16 = p.row_bytes / 16;
+  const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
+
+  for (int t = global_warp(); t < p.num_tokens; t += num_global_warps()) {
+    bool kept = false;
+    if (lane < R) {
+      const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + lane);
+      // A row cut by rank `lane`'s capacity never arrived there: it contributes 0 (its slot holds stale data).
+      kept = sp >= 0 && __ldg(p.send_row_offset + lane) + sp < p.capacity;
+    }
+    const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
+    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
+    for (int i = lane; i < n16; i += 32) {
+      float acc[P::kN];
+#pragma unroll
+      for (int j = 0; j < P::kN; ++j) acc[j] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxGroupRanks; ++r) {
+        if (!((kept_mask >> r) & 1u)) continue;
+        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+        P::add(acc, ld_cg_v4(src + i));
+      }
+      dst[i] = P::pack(acc);
+    }
+    if (lane < p.num_weights) {
+      float acc = 0.0f;
+      const float* w = reinterpret_cast<const float*>(self + B.topk_weights);
+      for (int r = 0; r < R; ++r)
+        if ((kept_mask >> r) & 1u) acc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
+      p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = acc;
+    }
+  }
+}
+
+int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
+
+}  // namespace
+
+Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
+  barrier_kernel<<<1, 32, 0, stream>>>(g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
+  dispatch_notify_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  SendArgs s{};
+  s.g = p.g;
+  s.rows = static_cast<const char*>(p.x);
+  s.scales = p.scale_cols > 0 ? p.x_scales : nullptr;
+  s.topk_idx = p.topk_idx;
+  s.weights = p.topk_weights;
+  s.send_pos = p.send_pos;
+  s.send_row_offset = p.send_row_offset;
+  s.num_tokens = p.num_tokens;
+  s.row_bytes = p.row_bytes;
+  s.scale_cols = p.scale_cols;
+  s.num_weights = p.num_topk;
+  s.capacity = p.capacity;
+  s.experts_per_rank = p.num_experts / p.g.num_ranks;
+  s.write_src_idx = true;
+  send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  RecvArgs r{};
+  r.g = p.g;
+  r.recv_rank_counts = p.recv_rank_counts;
+  r.capacity = p.capacity;
+  r.out_rows = static_cast<char*>(p.recv_x);
+  r.row_bytes = p.row_bytes;
+  r.out_scales = p.scale_cols > 0 ? p.recv_x_scales : nullptr;
+  r.scale_cols = p.scale_cols;
+  r.out_topk_idx = p.recv_topk_idx;
+  r.out_weights = p.recv_topk_weights;
+  r.num_weights = p.num_topk;
+  r.out_src_idx = p.recv_src_idx;
+  r.out_src_rank = p.recv_src_rank;
+  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  recv_copy_kernel<<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(r);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream) {
+  JAX_EP_RETURN_IF_ERROR(launch_group_barrier(p.g, stream));
+  SendArgs s{};
+  s.g = p.g;
+  s.rows = static_cast<const char*>(p.payload);
+  s.scales = nullptr;
+  s.topk_idx = nullptr;
+  s.weights = p.num_weights > 0 ? p.weights : nullptr;
+  s.send_pos = p.send_pos;
+  s.send_row_offset = p.send_row_offset;
+  s.num_tokens = p.num_tokens;
+  s.row_bytes = p.row_bytes;
+  s.scale_cols = 0;
+  s.num_weights = p.num_weights;
+  s.capacity = p.capacity;
+  s.experts_per_rank = 1;
+  s.write_src_idx = false;
+  send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  RecvArgs r{};
+  r.g = p.g;
+  r.recv_rank_counts = p.recv_rank_counts;
+  r.capacity = p.capacity;
+  r.out_rows = static_cast<char*>(p.recv);
+  r.row_bytes = p.row_bytes;
+  r.out_weights = p.num_weights > 0 ? p.recv_weights : nullptr;
+  r.num_weights = p.num_weights;
+  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  recv_copy_kernel<<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(r);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status launch_combine(const CombineParams& p, cudaStream_t stream) {
+  JAX_EP_RETURN_IF_ERROR(launch_group_barrier(p.g, stream));
+  combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (p.dtype == CombineDtype::kBF16)
+    combine_reduce_kernel<__nv_bfloat16><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
+  else
+    combine_reduce_kernel<float><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace jax_ep

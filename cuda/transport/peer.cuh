@@ -1,0 +1,86 @@
+// Device side of the intranode transport: the narrow interface the kernels use.
+//   peer_base(g, r)        load/store pointer to rank r's staging buffer (NVLink peer mapping, or this GPU's own)
+//   group_barrier_block()  every rank has arrived at this op (monotonic counters, no reset between calls)
+//   signal_peer()          publish "my writes to you for this epoch are done" (release, system scope)
+//   wait_peer()            bounded acquire wait for such a signal
+// An NVSHMEM transport (one process per GPU) provides the same four with nvshmem_ptr-filled PeerTables.
+//
+// Memory ordering: writes to a peer are followed by __threadfence_system() and a st.release.sys of the epoch to
+// the peer's flag word; the reader spins with ld.acquire.sys, then a __syncthreads() orders the rest of its block,
+// and peer-written data is read with L1-bypassing loads (ld.cg): L1 is not coherent with peer stores.
+#pragma once
+
+#include <cstdint>
+
+#include "common/ptx.cuh"
+#include "jax_ep/buffer_layout.h"
+#include "jax_ep/constants.h"
+#include "jax_ep/params.h"
+
+namespace jax_ep {
+
+// NOTE: selected with an unrolled compare so the table stays in the kernel's constant bank (a dynamic index into
+// a by-value kernel parameter would force a local-memory copy).
+__device__ __forceinline__ char* peer_base(const GroupCtx& g, int r) {
+  char* b = nullptr;
+#pragma unroll
+  for (int i = 0; i < kMaxGroupRanks; ++i)
+    if (i == r) b = g.peers.base[i];
+  return b;
+}
+
+__device__ __forceinline__ char* self_base(const GroupCtx& g) { return peer_base(g, g.rank); }
+
+__device__ __forceinline__ uint32_t* header_word(char* base, int64_t byte_offset) {
+  return reinterpret_cast<uint32_t*>(base + byte_offset);
+}
+
+// Epoch of the op in flight on this device (set by the op's barrier, read by its later kernels).
+__device__ __forceinline__ uint32_t current_epoch(const GroupCtx& g) {
+  return *reinterpret_cast<volatile uint32_t*>(self_base(g) + SignalHeader::kBarrierEpoch);
+}
+
+// Called by every thread of one block (blockDim >= R). Returns the new epoch.
+// NOTE: barrier_in[s] on rank r counts the ops rank s has entered; barrier_epoch counts the ops rank r has entered.
+// Both only grow (wrap-safe compares), so no host reset is ever needed and CUDA-graph replays stay correct. A rank
+// can be at most one op ahead of a peer: it cannot pass the next barrier before the peer arrives there.
+__device__ __forceinline__ uint32_t group_barrier_block(const GroupCtx& g, const char* what) {
+  char* self = self_base(g);
+  const uint32_t epoch = current_epoch(g) + 1;
+  __syncthreads();  // everyone has read the old epoch before thread 0 advances it below
+  const int tid = threadIdx.x;
+  if (tid < g.num_ranks) {
+    red_add_release_sys(header_word(peer_base(g, tid), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
+    wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * tid), epoch, g.timeout_ns, what, g.rank, tid);
+  }
+  __syncthreads();
+  if (tid == 0) *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kBarrierEpoch) = epoch;
+  return epoch;
+}
+
+__device__ __forceinline__ void signal_peer(const GroupCtx& g, int peer, int64_t flag_offset, uint32_t epoch) {
+  __threadfence_system();
+  st_release_sys(header_word(peer_base(g, peer), flag_offset + 4 * g.rank), epoch);
+}
+
+__device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t flag_offset, uint32_t epoch,
+                                          const char* what) {
+  wait_reached(header_word(self_base(g), flag_offset + 4 * peer), epoch, g.timeout_ns, what, g.rank, peer);
+}
+
+// End of a kernel that wrote rows into peers: the last block to finish tells every rank that all rows of this op
+// from this rank are in place. Called by every thread of every block.
+__device__ __forceinline__ void finish_and_signal_data(const GroupCtx& g, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's peer stores happen before it is counted
+    uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
+    const uint32_t prev = atomicAdd(done, 1u);
+    if (prev == gridDim.x - 1) {
+      atomicExch(done, 0u);  // every block has counted itself: reset for the next op
+      for (int d = 0; d < g.num_ranks; ++d) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+    }
+  }
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,216 @@
+#include "jax_ep/peer_group.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include "jax_ep/api.h"
+#include "jax_ep/buffer_layout.h"
+#include "jax_ep/constants.h"
+
+namespace jax_ep {
+namespace {
+
+struct Group {
+  GroupInfo info;
+  std::vector<char*> buffers;
+};
+
+std::shared_mutex& registry_mutex() {
+  static std::shared_mutex m;
+  return m;
+}
+std::map<int64_t, std::unique_ptr<Group>>& registry() {
+  static std::map<int64_t, std::unique_ptr<Group>> r;
+  return r;
+}
+int64_t next_id = 1;
+
+// Restores the calling thread's current device on scope exit (group setup switches devices).
+class DeviceRestorer {
+ public:
+  DeviceRestorer() { ok_ = cudaGetDevice(&device_) == cudaSuccess; }
+  ~DeviceRestorer() {
+    if (ok_) cudaSetDevice(device_);
+  }
+
+ private:
+  int device_ = 0;
+  bool ok_ = false;
+};
+
+Status free_buffers(const std::vector<int>& ordinals, std::vector<char*>& buffers) {
+  Status first;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i] == nullptr) continue;
+    Status st = CudaStatus(cudaSetDevice(ordinals[i]), "cudaSetDevice", __FILE__, __LINE__);
+    if (st.ok()) st = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize", __FILE__, __LINE__);
+    if (st.ok()) st = CudaStatus(cudaFree(buffers[i]), "cudaFree", __FILE__, __LINE__);
+    if (!st.ok() && first.ok()) first = st;
+    buffers[i] = nullptr;
+  }
+  return first;
+}
+
+Status setup(const std::vector<int>& ordinals, int64_t bytes, Group* g) {
+  const int n = static_cast<int>(ordinals.size());
+  // Peer access between every pair (already enabled, e.g. by XLA, is fine).
+  for (int i = 0; i < n; ++i) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinals[i]));
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      int can = 0;
+      JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, ordinals[i], ordinals[j]));
+      if (!can)
+        return Status::Error("device " + std::to_string(ordinals[i]) + " cannot access device " +
+                             std::to_string(ordinals[j]) + " as a peer (no NVLink/P2P path): the intranode "
+                             "transport needs peer access between all GPUs of a group");
+      const cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // clear the non-sticky error
+      } else {
+        JAX_EP_CUDA_RETURN_IF_ERROR(e);
+      }
+    }
+  }
+  g->buffers.assign(n, nullptr);
+  g->info.sm_counts.assign(n, 0);
+  for (int i = 0; i < n; ++i) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinals[i]));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->buffers[i]), static_cast<size_t>(bytes)));
+    // NOTE: zeroed once here; afterwards the counters only grow and the data regions are always written before
+    // they are read, so no call ever resets anything from the host.
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemset(g->buffers[i], 0, static_cast<size_t>(bytes)));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&g->info.sm_counts[i], cudaDevAttrMultiProcessorCount, ordinals[i]));
+  }
+  for (int i = 0; i < n; ++i) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinals[i]));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  }
+  // Warm-up barrier on all devices at once (each waits for the others), then wait for all of them.
+  std::vector<cudaStream_t> streams(n, nullptr);
+  Status st;
+  for (int i = 0; i < n && st.ok(); ++i) {
+    st = CudaStatus(cudaSetDevice(ordinals[i]), "cudaSetDevice", __FILE__, __LINE__);
+    if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking),
+                                 "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+    if (st.ok()) {
+      GroupCtx ctx{};
+      for (int r = 0; r < n; ++r) ctx.peers.base[r] = g->buffers[r];
+      ctx.rank = i;
+      ctx.num_ranks = n;
+      ctx.timeout_ns = 30ull * 1000 * 1000 * 1000;
+      st = launch_group_barrier(ctx, streams[i]);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (streams[i] == nullptr) continue;
+    cudaSetDevice(ordinals[i]);
+    Status s2 = CudaStatus(cudaStreamSynchronize(streams[i]), "warm-up barrier", __FILE__, __LINE__);
+    if (st.ok()) st = s2;
+    cudaStreamDestroy(streams[i]);
+  }
+  return st;
+}
+
+}  // namespace
+
+Status create_group(const std::vector<int>& device_ordinals, int64_t buffer_bytes, int64_t set_id, int64_t* id_out) {
+  const int n = static_cast<int>(device_ordinals.size());
+  if (n < 1 || n > kMaxGroupRanks)
+    return Status::Error("a group needs 1.." + std::to_string(kMaxGroupRanks) + " devices, got " + std::to_string(n));
+  int count = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+  for (int i = 0; i < n; ++i) {
+    if (device_ordinals[i] < 0 || device_ordinals[i] >= count)
+      return Status::Error("device ordinal " + std::to_string(device_ordinals[i]) + " out of range (" +
+                           std::to_string(count) + " CUDA devices visible)");
+    for (int j = 0; j < i; ++j)
+      if (device_ordinals[i] == device_ordinals[j])
+        return Status::Error("device ordinal " + std::to_string(device_ordinals[i]) + " listed twice");
+  }
+  if (buffer_bytes < kSignalHeaderBytes)
+    return Status::Error("buffer_bytes must be >= " + std::to_string(kSignalHeaderBytes));
+  buffer_bytes = align_up(buffer_bytes);
+
+  auto g = std::make_unique<Group>();
+  g->info.device_ordinals = device_ordinals;
+  g->info.buffer_bytes = buffer_bytes;
+  Status st;
+  {
+    DeviceRestorer restore;
+    st = setup(device_ordinals, buffer_bytes, g.get());
+    if (!st.ok()) {
+      free_buffers(device_ordinals, g->buffers);
+      return Status::Error("intranode_create_group failed: " + st.message());
+    }
+  }
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  g->info.id = next_id++;
+  g->info.set_id = set_id >= 0 ? set_id : g->info.id;
+  for (char* b : g->buffers) g->info.buffers.push_back(reinterpret_cast<uintptr_t>(b));
+  // Two groups of one set must not share a device (a handler could not tell which one it is in).
+  for (auto& [other_id, other] : registry()) {
+    if (other->info.set_id != g->info.set_id) continue;
+    for (int o : other->info.device_ordinals)
+      if (std::find(device_ordinals.begin(), device_ordinals.end(), o) != device_ordinals.end()) {
+        lock.unlock();
+        DeviceRestorer restore;
+        free_buffers(device_ordinals, g->buffers);
+        return Status::Error("device " + std::to_string(o) + " is already in group " + std::to_string(other_id) +
+                             " of set " + std::to_string(g->info.set_id));
+      }
+  }
+  *id_out = g->info.id;
+  registry()[g->info.id] = std::move(g);
+  return Status::Ok();
+}
+
+Status destroy_group(int64_t id) {
+  std::unique_ptr<Group> g;
+  {
+    std::unique_lock<std::shared_mutex> lock(registry_mutex());
+    auto it = registry().find(id);
+    if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+    g = std::move(it->second);
+    registry().erase(it);
+  }
+  DeviceRestorer restore;
+  return free_buffers(g->info.device_ordinals, g->buffers);
+}
+
+Status group_info(int64_t id, GroupInfo* out) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  auto it = registry().find(id);
+  if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+  *out = it->second->info;
+  return Status::Ok();
+}
+
+Status find_group_device(int64_t set_id, int device_ordinal, GroupDeviceView* out) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  for (auto& [id, g] : registry()) {
+    if (g->info.set_id != set_id) continue;
+    const auto& ords = g->info.device_ordinals;
+    const auto pos = std::find(ords.begin(), ords.end(), device_ordinal);
+    if (pos == ords.end()) continue;
+    GroupDeviceView v;
+    v.rank = static_cast<int32_t>(pos - ords.begin());
+    v.num_ranks = static_cast<int32_t>(ords.size());
+    for (int r = 0; r < v.num_ranks; ++r) v.peers.base[r] = g->buffers[r];
+    v.buffer_bytes = g->info.buffer_bytes;
+    v.sm_count = g->info.sm_counts[v.rank];
+    *out = v;
+    return Status::Ok();
+  }
+  return Status::Error("device " + std::to_string(device_ordinal) + " is in no live intranode group of set " +
+                       std::to_string(set_id) + " (jax_ep.initialize not called, finalized, or a different mesh)");
+}
+
+}  // namespace jax_ep

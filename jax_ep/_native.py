@@ -1,0 +1,71 @@
+"""Loads the native extension (jax_ep._jax_ep_native) when it was built, and registers its XLA FFI targets.
+
+`import jax_ep` never needs the extension: `available()` says whether it loaded and `load_error()` says why not.
+Registration is one loop over the module's `registrations()`; it runs once, at the first `ensure_registered()`
+(called by every jax_ep._ffi wrapper before it builds an `ffi_call`), so importing jax_ep touches no backend.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_module = None
+_load_error: str | None = None
+try:
+    from . import _jax_ep_native as _module  # type: ignore[attr-defined]
+except ImportError as e:  # not built (JAX_EP_NATIVE=OFF, no CUDA toolkit at build time, ...) or broken
+    _module = None
+    _load_error = f"jax_ep native extension not available: {e}"
+
+_lock = threading.Lock()
+_registered: list[tuple[str, str]] | None = None
+
+
+def available() -> bool:
+    """True when the native extension was built and imported."""
+    return _module is not None
+
+
+def load_error() -> str | None:
+    """Why the extension is unavailable (None when it loaded)."""
+    return _load_error
+
+
+def module():
+    """The extension module itself; raises ImportError with the load error when it is unavailable."""
+    if _module is None:
+        raise ImportError(_load_error or "jax_ep native extension not available")
+    return _module
+
+
+def ensure_registered() -> list[tuple[str, str]]:
+    """Registers every FFI target of the extension with XLA (idempotent); returns (name, platform) pairs."""
+    global _registered
+    if _registered is not None:
+        return _registered
+    with _lock:
+        if _registered is not None:
+            return _registered
+        import jax
+
+        done = []
+        for name, platform, capsule in module().registrations():
+            # NOTE: stateless handlers only (no type ids to register first). A "CUDA" registration made in a
+            # process without the CUDA plugin is kept by jaxlib and is harmless.
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            done.append((name, platform))
+        _registered = done
+        return done
+
+
+def info() -> dict:
+    """What was built: versions and registered targets (for logs and bug reports)."""
+    if _module is None:
+        return {"available": False, "load_error": _load_error}
+    return {
+        "available": True,
+        "version": _module.version(),
+        "ffi_api_version": tuple(_module.ffi_api_version()),
+        "cuda_runtime_version": _module.cuda_runtime_version(),
+        "targets": [(n, p) for n, p, _ in _module.registrations()],
+    }

@@ -1,0 +1,62 @@
+"""The CUDA backend: the backend interface of docs/API.md implemented with the native FFI targets.
+
+Called by jax_ep/ops.py inside `shard_map` over `cfg.axis_name`, after validation, with `num_ranks` = R static.
+The intranode group (staging buffers, peer access) comes from `jax_ep.runtime.group_id_for(cfg)`; each device's
+handler finds its own group and rank from that id and its device ordinal.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import _ffi
+from .config import EPConfig
+from .handle import DispatchHandle, DispatchLayout, DispatchOutput
+
+F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+
+
+def _attrs(cfg: EPConfig):
+    from . import runtime
+
+    return _ffi.group_attrs(
+        group_id=runtime.group_id_for(cfg), num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
+        max_tokens_per_rank=cfg.max_tokens_per_rank, num_sms=cfg.num_sms,
+        timeout_ns=int(cfg.timeout_seconds * 1e9))
+
+
+def _none_like(rows):
+    """A [N, 0] f32 operand standing for "no weights / no scales" (keeps `rows`' varying axes)."""
+    return rows[:, :0].astype(F32)
+
+
+def layout(topk_idx, cfg: EPConfig, num_ranks: int) -> DispatchLayout:
+    ntr, nte, itr = _ffi.layout(topk_idx.astype(jnp.int32), num_experts=cfg.num_experts, num_ranks=num_ranks)
+    return DispatchLayout(num_tokens_per_rank=ntr, num_tokens_per_expert=nte, is_token_in_rank=itr)
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, cfg: EPConfig, num_ranks: int) -> DispatchOutput:
+    fp8 = x_scales is not None
+    scales = x_scales.astype(F32) if fp8 else _none_like(topk_weights.astype(F32))
+    (recv_x, recv_scales, recv_idx, recv_w, n_recv, n_per_expert, send_pos, src_idx, src_rank, rank_counts,
+     row_offset) = _ffi.dispatch(
+        x, scales, topk_idx.astype(jnp.int32), topk_weights.astype(F32), num_ranks=num_ranks,
+        capacity=cfg.capacity(num_ranks), num_local_experts=cfg.num_local_experts(num_ranks), attrs=_attrs(cfg))
+    handle = DispatchHandle(send_pos=send_pos, recv_src_idx=src_idx, recv_src_rank=src_rank,
+                            recv_rank_counts=rank_counts, send_row_offset=row_offset)
+    return DispatchOutput(recv_x=recv_x, recv_x_scales=recv_scales if fp8 else None, recv_topk_idx=recv_idx,
+                          recv_topk_weights=recv_w, num_recv_tokens=n_recv, num_recv_tokens_per_expert=n_per_expert,
+                          handle=handle)
+
+
+def cached_dispatch(payload, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
+    w = weights.astype(F32) if weights is not None else _none_like(payload)
+    recv, recv_w = _ffi.cached_dispatch(payload, w, *handle, attrs=_attrs(cfg))
+    return recv, (recv_w if weights is not None else None)
+
+
+def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
+    w = weights.astype(F32) if weights is not None else _none_like(values)
+    y, y_w = _ffi.combine(values, w, *handle, attrs=_attrs(cfg))
+    return y, (y_w if weights is not None else None)

@@ -1,0 +1,185 @@
+"""Shared helpers of the GPU tests / benchmark / sanitizer run of the intranode CUDA backend.
+
+The CUDA backend is driven directly (jax_ep.cuda_backend inside shard_map) against jax_ep.reference on the same
+GPUs, with a group made here through the native module; jax_ep.runtime.group_id_for is pointed at that group, so
+these checks depend only on the backend interface of docs/API.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax_ep allocates its own staging with cudaMalloc
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_ep import _native, buffer_layout, cuda_backend, reference, runtime
+from jax_ep.config import EPConfig
+
+
+_ORIGINAL_GROUP_ID_FOR = runtime.group_id_for
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def skip_reason(num_gpus: int) -> str | None:
+    if not _native.available():
+        return f"native extension not built: {_native.load_error()}"
+    devs = gpu_devices()
+    if len(devs) < num_gpus:
+        return f"needs {num_gpus} CUDA GPUs, found {len(devs)}"
+    return None
+
+
+class Group:
+    """An intranode group over the first R GPUs, made big enough for `configs`; installs itself as the group that
+    jax_ep.runtime.group_id_for returns."""
+
+    def __init__(self, num_ranks: int, configs):
+        self.devices = gpu_devices()[:num_ranks]
+        self.mesh = jax.make_mesh((num_ranks,), ("ep",), devices=self.devices)
+        nbytes = max(buffer_layout.normal_buffer_bytes(
+            hidden=c.hidden, num_topk=c.num_topk, max_tokens_per_rank=c.max_tokens_per_rank, num_ranks=num_ranks,
+            capacity=c.capacity(num_ranks), num_experts=c.num_experts) for c in configs)
+        ordinals = [int(getattr(d, "local_hardware_id", d.id)) for d in self.devices]
+        self.id = _native.module().intranode_create_group(ordinals, nbytes)
+        self.info = _native.module().intranode_group_info(self.id)
+        self.activate()
+
+    def activate(self):
+        """Makes jax_ep.runtime.group_id_for return this group (read at trace time by cuda_backend)."""
+        runtime.group_id_for = lambda cfg: self.id
+
+    def close(self):
+        runtime.group_id_for = _ORIGINAL_GROUP_ID_FOR
+        _native.module().intranode_destroy_group(self.id)
+
+    def shard(self, a):
+        return jax.device_put(jnp.asarray(a), NamedSharding(self.mesh, P("ep")))
+
+
+def routing(rng, T, K, E, mode="deepep"):
+    """[T, K] expert ids. deepep: scores |N(0,1)|+1, top-k without repeats. messy: plus -1s, ids >= E and < -1,
+    repeats."""
+    scores = np.abs(rng.standard_normal((T, E))) + 1
+    idx = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
+    if mode == "messy":
+        r = rng.random((T, K))
+        idx[r < 0.15] = -1
+        idx[(r >= 0.15) & (r < 0.2)] = E + 3
+        idx[(r >= 0.2) & (r < 0.23)] = -5
+        if K > 1:
+            idx[: T // 3, K - 1] = idx[: T // 3, 0]
+    if mode == "skewed":  # everyone sends to experts of rank 0: overflows a small capacity
+        idx = rng.integers(0, max(1, E // 8), size=(T, K)).astype(np.int32)
+    return idx
+
+
+def inputs(rng, R, T, H, K, E, mode="deepep", fp8=False):
+    idx = np.concatenate([routing(rng, T, K, E, mode) for _ in range(R)])
+    w = rng.standard_normal((R * T, K)).astype(np.float32)
+    if fp8:
+        x = (rng.standard_normal((R * T, H)) * 50).astype(jnp.float8_e4m3fn)
+        s = rng.random((R * T, H // 128)).astype(np.float32)
+    else:
+        x = rng.standard_normal((R * T, H)).astype(jnp.bfloat16)
+        s = None
+    return x, s, idx, w
+
+
+def per_rank(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def both_backends(cfg: EPConfig, R: int, with_scales: bool):
+    """shard_map body running dispatch, combine (bf16 + weights), cached_dispatch (f32 + weights) and combine
+    (f32, no weights) on both backends."""
+
+    def run(be, x, s, idx, w):
+        out = be.dispatch(x, s, idx, w, cfg, R)
+        y, yw = be.combine(_expert_values(out, with_scales), out.recv_topk_weights, out.handle, cfg, R)
+        cp, cw = be.cached_dispatch(x.astype(jnp.float32) * 2, w, out.handle, cfg, R)
+        y32, none = be.combine(cp, None, out.handle, cfg, R)
+        assert none is None
+        return dict(dispatch=out, y=y, y_weights=yw, cached=cp, cached_w=cw, y32=y32)
+
+    def body(x, s, idx, w):
+        return per_rank(dict(cuda=run(cuda_backend, x, s, idx, w), ref=run(reference, x, s, idx, w)))
+
+    return body
+
+
+def _expert_values(out, with_scales):
+    if with_scales:  # fp8 rows -> bf16 "expert output"
+        return out.recv_x.astype(jnp.bfloat16)
+    return out.recv_x
+
+
+def run_case(group: Group, cfg: EPConfig, R, x, s, idx, w):
+    group.activate()
+    body = both_backends(cfg, R, s is not None)
+    if s is None:
+        f = jax.jit(jax.shard_map(lambda x, i, w: body(x, None, i, w), mesh=group.mesh,
+                                  in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+        res = f(group.shard(x), group.shard(idx), group.shard(w))
+    else:
+        f = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+        res = f(group.shard(x), group.shard(s), group.shard(idx), group.shard(w))
+    return jax.device_get(res)
+
+
+def bits(a):
+    a = np.asarray(a)
+    if a.dtype.itemsize == 2 and a.dtype.kind not in "iu":
+        return a.view(np.uint16)
+    if a.dtype.itemsize == 1 and a.dtype.kind not in "iub":
+        return a.view(np.uint8)
+    if a.dtype == np.float32:
+        return a.view(np.uint32)
+    return a
+
+
+def compare(res) -> list[str]:
+    """Bit-identical where the spec says so; f32-accumulation tolerance for combine sums. Returns problems."""
+    problems = []
+    c, r = res["cuda"], res["ref"]
+    exact = {"dispatch": (c["dispatch"], r["dispatch"]), "cached": (c["cached"], r["cached"]),
+             "cached_w": (c["cached_w"], r["cached_w"])}
+    for name, (a, b) in exact.items():
+        la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+        if len(la) != len(lb):
+            problems.append(f"{name}: different pytrees")
+            continue
+        for (path, xa), (_, xb) in zip(la, lb):
+            key = name + jax.tree_util.keystr(path)
+            if np.shape(xa) != np.shape(xb) or np.asarray(xa).dtype != np.asarray(xb).dtype:
+                problems.append(f"{key}: shape/dtype {np.shape(xa)} {np.asarray(xa).dtype} vs {np.shape(xb)} "
+                                f"{np.asarray(xb).dtype}")
+            elif not np.array_equal(bits(xa), bits(xb)):
+                bad = np.argwhere(bits(xa) != bits(xb))
+                problems.append(f"{key}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
+    for name in ("y", "y_weights", "y32"):
+        a = np.asarray(c[name]).astype(np.float32)
+        b = np.asarray(r[name]).astype(np.float32)
+        if a.shape != b.shape:
+            problems.append(f"{name}: shape {a.shape} vs {b.shape}")
+            continue
+        if np.isnan(a).any() or np.isnan(b).any():
+            problems.append(f"{name}: NaN")
+            continue
+        denom = float((a * a + b * b).sum())
+        diff = 0.0 if denom == 0 else 1 - 2 * float((a * b).sum()) / denom  # DeepEP calc_diff
+        if diff > 1e-5 or not np.allclose(a, b, rtol=2e-2, atol=2e-2):
+            problems.append(f"{name}: calc_diff {diff:.3e}, max abs diff {np.abs(a - b).max():.3e}")
+    return problems
