@@ -1,0 +1,330 @@
+"""python -m jax_ep.launch (one process per accelerator) and jax_ep.launch.init_from_env, on CPU.
+
+Multi-process runs use real processes, jax.distributed over loopback and gloo CPU collectives (the default CPU
+collectives implementation on jax 0.10.2). The child programs are in tests/multiprocess/. Children get a clean
+environment: XLA_FLAGS (8 forced devices, set by conftest.py for the in-process tests) is removed and each child
+sets its own CPU device count.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jax_ep import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MP = os.path.join(ROOT, "tests", "multiprocess")
+
+
+def child_env(**extra):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
+def run_launcher(args, timeout=120, cwd=ROOT, **env):
+    """Runs `python -m jax_ep.launch ARGS`; returns (returncode, stdout, stderr, seconds)."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch"] + list(args), cwd=cwd, env=child_env(**env),
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def show(out, err):
+    return f"\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+
+
+def rank_lines(text, tag):
+    """{rank: [line after the prefix]} for lines `[rank i] TAG...`."""
+    got = {}
+    for m in re.finditer(rf"^\[rank (\d+)\] ({re.escape(tag)}.*)$", text, re.M):
+        got.setdefault(int(m.group(1)), []).append(m.group(2))
+    return got
+
+
+def assert_gone(pids, out):
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # a zombie would still answer kill(0); read its state to tell
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        raise AssertionError(f"child process {pid} still exists (state {state}) after the launcher exited{out}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (1) topology + cross-process collectives
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
+def test_collectives_across_processes(nproc, local):
+    rc, out, err, dt = run_launcher(["-n", str(nproc), "--no-gpu-pinning", "--timeout", "100",
+                                     os.path.join(MP, "collective_check.py"), "--devices-per-process", str(local)])
+    assert rc == 0, f"launcher exited {rc} after {dt:.1f} s" + show(out, err)
+    G = nproc * local
+    want_psum = [float(sum(g + 1 for g in range(G)) * 10 ** j) for j in range(4)]
+    want_sum = (G * G) * (G * G - 1) // 2
+    for tag, check in [
+        ("RESULT topology", lambda r, s: f"process={r}/{nproc} devices={G} local={local}" in s),
+        ("RESULT psum", lambda r, s: s == f"RESULT psum process={r} value={want_psum}"),
+        ("RESULT all_to_all", lambda r, s: s == f"RESULT all_to_all process={r} rows_ok="
+                                                f"{list(range(r * local, (r + 1) * local))}"),
+        ("RESULT jit_sum", lambda r, s: s == f"RESULT jit_sum process={r} value={want_sum}"),
+        ("RESULT done", lambda r, s: s == f"RESULT done process={r}"),
+    ]:
+        got = rank_lines(out, tag)
+        assert sorted(got) == list(range(nproc)), f"{tag}: lines from ranks {sorted(got)}" + show(out, err)
+        for r, lines in got.items():
+            assert len(lines) == 1 and check(r, lines[0]), f"rank {r}: {lines}" + show(out, err)
+    print(f"{nproc} processes x {local} CPU devices: psum/all_to_all/jit sum checked in {dt:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (2) jax_ep reference backend: multi-process == single process with the same number of devices
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single_process_ep(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ep") / "single.npz")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, os.path.join(MP, "ep_roundtrip.py"), "--local-devices", "4", "--out", path],
+                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, "single-process run failed" + show(p.stdout, p.stderr)
+    assert "process_model=single-process" in p.stdout, p.stdout
+    print(f"single process, 4 devices: {time.monotonic() - t0:.1f} s")
+    return dict(np.load(path))
+
+
+@pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
+def test_reference_backend_multiprocess_matches_single_process(nproc, local, single_process_ep, tmp_path):
+    path = str(tmp_path / "multi.npz")
+    rc, out, err, dt = run_launcher(["-n", str(nproc), "--no-gpu-pinning", "--timeout", "100",
+                                     os.path.join(MP, "ep_roundtrip.py"), "--local-devices", str(local),
+                                     "--out", path])
+    assert rc == 0, f"launcher exited {rc} after {dt:.1f} s" + show(out, err)
+    rt = rank_lines(out, "RESULT runtime")
+    assert sorted(rt) == list(range(nproc)) and all("process_model=multi-process" in v[0] for v in rt.values()), (
+        "every rank must run jax_ep in the multi-process model" + show(out, err))
+    assert sorted(rank_lines(out, "RESULT ep_roundtrip")) == list(range(nproc)), show(out, err)
+    multi = dict(np.load(path))
+    single = single_process_ep
+    assert sorted(multi) == sorted(single)
+    assert len(multi) >= 15, sorted(multi)
+    for k in sorted(single):
+        assert multi[k].shape == single[k].shape and multi[k].dtype == single[k].dtype, k
+        np.testing.assert_array_equal(multi[k], single[k], err_msg=f"{k}: {nproc} processes x {local} devices "
+                                                                   f"differs from 1 process x 4 devices")
+    assert int(multi["num_recv_tokens"].sum()) > 0
+    print(f"{nproc} x {local}: {len(multi)} outputs bit-identical to the single-process run ({dt:.1f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (3) failure propagation
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fail_rank,how,code", [(1, "exit", 3), (0, "raise", 1), (1, "signal", 128 + 9)])
+def test_failing_rank_stops_the_others(fail_rank, how, code):
+    """One rank fails while the other blocks in a psum that can never complete: the launcher exits with the
+    failed rank's code, quickly, names it, and the blocked rank is gone."""
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-gpu-pinning", "--timeout", "60",
+                                     os.path.join(MP, "fail_rank.py"), "--fail-rank", str(fail_rank),
+                                     "--how", how], timeout=90)
+    assert rc == code, f"launcher exit code {rc}, expected {code} ({how} on rank {fail_rank})" + show(out, err)
+    assert dt < 20, f"took {dt:.1f} s" + show(out, err)
+    assert re.search(rf"rank {fail_rank} failed first \(.*\); exiting with code {code}$", err, re.M), show(out, err)
+    other = 1 - fail_rank
+    assert re.search(rf"rank {other}: (stopped by the launcher \(SIG(TERM|KILL)\)|exited with code 1)",
+                     err), f"rank {other}'s end not reported" + show(out, err)
+    assert f"[rank {other}] entering psum that cannot complete" in out, show(out, err)
+    assert "psum returned" not in out, show(out, err)
+    pids = [int(p) for p in re.findall(r"^\[rank \d\] PID (\d+)$", out, re.M)]
+    assert len(pids) == 2, show(out, err)
+    assert_gone(pids, show(out, err))
+    if how == "raise":
+        assert f"[rank {fail_rank}] RuntimeError: deliberate failure on rank {fail_rank}" in err, show(out, err)
+    print(f"{how} on rank {fail_rank}: launcher exited {rc} in {dt:.1f} s")
+
+
+def test_sys_exit_code_propagates_without_jax():
+    rc, out, err, dt = run_launcher(["-n", "3", os.path.join(MP, "echo_env.py"), "--exit", "5"])
+    assert rc == 5, show(out, err)
+    assert re.search(r"rank \d failed first \(exited with code 5\); exiting with code 5", err), show(out, err)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (4) --timeout, signals to the launcher, no orphans
+# ---------------------------------------------------------------------------------------------------------
+def test_timeout_kills_everything():
+    rc, out, err, dt = run_launcher(["-n", "2", "--timeout", "2", "--grace-seconds", "1",
+                                     os.path.join(MP, "echo_env.py"), "--sleep", "300"], timeout=60)
+    assert rc == launch.TIMEOUT_EXIT_CODE, f"exit code {rc}" + show(out, err)
+    assert 2 <= dt < 15, f"took {dt:.1f} s" + show(out, err)
+    assert "timeout: 2 s elapsed with ranks [0, 1] still running" in err, show(out, err)
+    assert "timed out after 2 s; exiting with code 124" in err, show(out, err)
+    pids = [int(m) for m in re.findall(r'"pid": (\d+)', out)]
+    assert len(pids) == 2, show(out, err)
+    assert_gone(pids, show(out, err))
+
+
+def _start_sleeping_launcher(n=2):
+    p = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", str(n), os.path.join(MP, "echo_env.py"),
+                          "--sleep", "300"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    pids, deadline = [], time.monotonic() + 30
+    while len(pids) < n and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        pids += [int(m) for m in re.findall(r'"pid": (\d+)', line)]
+    assert len(pids) == n, f"children did not start: {pids}"
+    return p, pids
+
+
+def test_sigint_to_launcher_kills_children():
+    p, pids = _start_sleeping_launcher()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT, show(out, err)
+    assert "received SIGINT; stopping all 2 ranks" in err, show(out, err)
+    assert_gone(pids, show(out, err))
+
+
+def test_launcher_killed_hard_children_die_too():
+    """SIGKILL to the launcher cannot be handled: the children die through PR_SET_PDEATHSIG (Linux)."""
+    p, pids = _start_sleeping_launcher()
+    p.kill()
+    p.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            assert_gone(pids, "")
+            break
+        except AssertionError:
+            time.sleep(0.1)
+    assert_gone(pids, " (launcher was SIGKILLed)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (5) output prefixing, environment, -m
+# ---------------------------------------------------------------------------------------------------------
+def test_output_prefixed_and_environment():
+    rc, out, err, dt = run_launcher(["-n", "3", os.path.join(MP, "echo_env.py"), "a", "--b", "c"],
+                                    NCCL_NVLS_ENABLE="1", XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    assert rc == 0, show(out, err)
+    for r in range(3):
+        for j in range(3):
+            assert f"[rank {r}] stdout line {j} from rank {r}\n" in out, show(out, err)
+            assert f"[rank {r}] stderr line {j} from rank {r}\n" in err, show(out, err)
+            assert f"stderr line {j}" not in out and f"stdout line {j}" not in err, show(out, err)
+        assert f"[rank {r}] partial line from rank {r}\n" in out, show(out, err)
+    for line in out.splitlines():
+        assert re.match(r"^\[rank [0-2]\] ", line), f"unprefixed stdout line {line!r}" + show(out, err)
+    for line in err.splitlines():
+        assert re.match(r"^(\[rank [0-2]\] |jax_ep\.launch: )", line), f"unprefixed stderr line {line!r}"
+    envs = {r: json.loads(v[0][4:]) for r, v in rank_lines(out, "ENV ").items()}
+    assert sorted(envs) == [0, 1, 2], show(out, err)
+    coord = {e["JAX_EP_COORDINATOR"] for e in envs.values()}
+    assert len(coord) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coord.pop()), envs
+    for r, e in envs.items():
+        assert e["JAX_EP_NUM_PROCESSES"] == "3" and e["JAX_EP_PROCESS_ID"] == str(r), e
+        assert e["NVSHMEM_DISABLE_NVLS"] == "1" and e["NCCL_NVLS_ENABLE"] == "0", e  # forced even if set to 1
+        assert e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true", e  # the user's value is kept
+        assert e["CUDA_VISIBLE_DEVICES"] is None, e  # no GPUs here: nothing pinned
+        assert e["argv"] == ["a", "--b", "c"] and e["name"] == "__main__", e
+    assert "overriding NCCL_NVLS_ENABLE=1 with NCCL_NVLS_ENABLE=0" in err, err
+
+
+def test_gpu_pinning_and_module_mode():
+    """-m module runs like python -m; CUDA_VISIBLE_DEVICES entries are handed out in order, K per rank."""
+    rc, out, err, dt = run_launcher(["-n", "2", "--gpus-per-process", "2", "-m", "echo_env", "x", "-y"], cwd=MP,
+                                    CUDA_VISIBLE_DEVICES="3,5,6,7,1")
+    assert rc == 0, show(out, err)
+    envs = {r: json.loads(v[0][4:]) for r, v in rank_lines(out, "ENV ").items()}
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == "3,5" and envs[1]["CUDA_VISIBLE_DEVICES"] == "6,7", envs
+    assert envs[0]["argv"] == ["x", "-y"] and envs[0]["name"] == "__main__", envs
+    assert envs[0]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false", envs  # default when unset
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-gpu-pinning", "-m", "echo_env"], cwd=MP,
+                                    CUDA_VISIBLE_DEVICES="3")
+    envs = {r: json.loads(v[0][4:]) for r, v in rank_lines(out, "ENV ").items()}
+    assert rc == 0 and envs[0]["CUDA_VISIBLE_DEVICES"] == envs[1]["CUDA_VISIBLE_DEVICES"] == "3", show(out, err)
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["-n", "0", "x.py"], {}, "-n must be >= 1, got 0"),
+    (["-n", "two", "x.py"], {}, "argument -n/--nproc/--num-processes: invalid int value: 'two'"),
+    (["x.py"], {}, "the following arguments are required: -n"),
+    (["-n", "2"], {}, "missing the program to run"),
+    (["-n", "2", "-m"], {}, "-m needs a module name"),
+    (["-n", "2", "does_not_exist.py"], {}, "script not found: does_not_exist.py"),
+    (["-n", "3", "tests/test_launch.py"], {"CUDA_VISIBLE_DEVICES": "0,1"},
+     "-n 3 with --gpus-per-process 1 needs 3 GPUs but 2 are visible (CUDA_VISIBLE_DEVICES=0,1)"),
+    (["-n", "2", "--gpus-per-process", "2", "tests/test_launch.py"], {"CUDA_VISIBLE_DEVICES": "0,1,2"},
+     "needs 4 GPUs but 3 are visible"),
+    (["-n", "2", "--gpus-per-process", "0", "tests/test_launch.py"], {}, "--gpus-per-process must be >= 1"),
+    (["-n", "2", "--timeout", "0", "tests/test_launch.py"], {}, "--timeout must be > 0"),
+    (["-n", "2", "--bogus", "tests/test_launch.py"], {}, "unrecognized arguments: --bogus"),
+])
+def test_argument_errors(argv, env, message, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert message in err and "usage: python -m jax_ep.launch" in err, err
+
+
+def test_no_gpu_pinning_allows_more_processes_than_gpus():
+    rc, out, err, dt = run_launcher(["-n", "3", "--no-gpu-pinning", os.path.join(MP, "echo_env.py")],
+                                    CUDA_VISIBLE_DEVICES="0")
+    assert rc == 0 and len(rank_lines(out, "ENV ")) == 3, show(out, err)
+
+
+def test_split_argv():
+    s = launch._split_argv
+    assert s(["-n", "2", "a.py", "-n", "3"]) == (["-n", "2"], ["a.py", "-n", "3"])
+    assert s(["-n", "2", "--timeout=5", "-m", "pkg.mod", "--x"]) == (["-n", "2", "--timeout=5"],
+                                                                      ["-m", "pkg.mod", "--x"])
+    assert s(["-n2", "--no-gpu-pinning", "--", "-weird.py"]) == (["-n2", "--no-gpu-pinning"], ["-weird.py"])
+    assert s(["-n", "2", "-mpkg"]) == (["-n", "2"], ["-m", "pkg"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# init_from_env in this process (no launcher)
+# ---------------------------------------------------------------------------------------------------------
+def test_init_from_env_without_launcher(monkeypatch):
+    import jax
+    for k in (launch.ENV_COORDINATOR, launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(launch, "_init_state", None)
+    assert launch.init_from_env() == (0, 1)
+    assert launch.init_from_env() == (0, 1)
+    assert not jax.distributed.is_initialized()
+
+
+def test_init_from_env_partial_environment(monkeypatch):
+    monkeypatch.setattr(launch, "_init_state", None)
+    monkeypatch.setenv(launch.ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
+    with pytest.raises(RuntimeError, match="JAX_EP_NUM_PROCESSES not"):
+        launch.init_from_env()
+    monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "2")
+    with pytest.raises(RuntimeError, match=r"JAX_EP_PROCESS_ID=2 not in \[0, JAX_EP_NUM_PROCESSES=2\)"):
+        launch.init_from_env()
+    assert launch._init_state is None
