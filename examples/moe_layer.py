@@ -53,7 +53,7 @@ def experts_ragged(rows, recv_topk_idx, recv_topk_weights, w_in, w_out):
     capacity, num_topk = recv_topk_idx.shape
     num_local = w_in.shape[0]
     pair_expert = recv_topk_idx.reshape(-1)
-    order = jnp.argsort(jnp.where(pair_expert >= 0, pair_expert, num_local), stable=True)
+    order = jax_ep.reference.stable_argsort(jnp.where(pair_expert >= 0, pair_expert, num_local))
     group_sizes = jnp.sum(pair_expert[:, None] == jnp.arange(num_local), axis=0, dtype=jnp.int32)
     pair_rows = (order // num_topk).astype(jnp.int32)
     lhs = rows[pair_rows].astype(jnp.float32)
@@ -73,11 +73,14 @@ def moe_forward(params, x, cfg):
     return y
 
 
-def decode_step(params, x, cfg):
+def decode_step(params, x, cfg, use_fp8=True):
     """Low-latency path: fp8 dispatch into per-expert rows, batched expert FFN, weighted combine."""
     topk_idx, weights = route(x, params["router"], cfg.num_topk)
-    ll = jax_ep.low_latency_dispatch(x, topk_idx, cfg, use_fp8=True)
-    rows = jax_ep.fp8.dequantize_blocks(ll.recv_x, ll.recv_x_scales)  # [L, R*T_max, H] f32
+    ll = jax_ep.low_latency_dispatch(x, topk_idx, cfg, use_fp8=use_fp8)
+    if use_fp8:
+        rows = jax_ep.fp8.dequantize_blocks(ll.recv_x, ll.recv_x_scales)  # [L, R*T_max, H] f32
+    else:
+        rows = ll.recv_x.astype(jnp.float32)
     hidden = jax.nn.gelu(jnp.einsum("lrh,lhf->lrf", rows, params["w_in"]))
     expert_out = jnp.einsum("lrf,lfh->lrh", hidden, params["w_out"]).astype(jnp.bfloat16)
     return jax_ep.low_latency_combine(expert_out, topk_idx, weights, ll.handle, cfg)
@@ -94,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--lr", type=float, default=20.0)
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
+    parser.add_argument("--no-fp8", action="store_true", help="low-latency mode: dispatch bf16 instead of fp8")
     args = parser.parse_args(argv)
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -117,7 +121,7 @@ def main(argv=None):
     x = jax.device_put(x.astype(jnp.bfloat16), shard(P("ep")))
 
     if args.mode == "low_latency":
-        step = jax.jit(jax.shard_map(lambda p, x: decode_step(p, x, cfg), mesh=mesh,
+        step = jax.jit(jax.shard_map(lambda p, x: decode_step(p, x, cfg, not args.no_fp8), mesh=mesh,
                                      in_specs=(PARAM_SPECS, P("ep")), out_specs=P("ep")))
         y = step(params, x).block_until_ready()
         t0 = time.perf_counter()
@@ -125,7 +129,8 @@ def main(argv=None):
         elapsed = time.perf_counter() - t0
         dense = dense_reference(params, x, cfg.num_topk)
         err = float(jnp.linalg.norm(y.astype(jnp.float32) - dense) / jnp.linalg.norm(dense))
-        print(f"decode step: {1e6 * elapsed:.0f} us; relative error vs dense layer {err:.3e} (fp8 dispatch)")
+        print(f"decode step: {1e6 * elapsed:.0f} us; relative error vs dense layer {err:.3e} "
+              f"({'bf16' if args.no_fp8 else 'fp8'} dispatch)")
         return 0 if err < 0.1 else 1
 
     def loss_fn(params, x, target):

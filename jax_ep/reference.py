@@ -38,6 +38,21 @@ def _pad_tokens(a: jax.Array, t_max: int, axis: int) -> jax.Array:
     return jnp.pad(a, pad)
 
 
+def stable_argsort(keys: jax.Array, axis: int = -1) -> jax.Array:
+    """argsort that keeps equal keys in index order, by sorting unique composite keys (key, index).
+
+    NOTE: does not rely on the sort's own stability flag: on XLA:GPU a stable argsort of boolean keys at a few
+    hundred elements put rows of one source rank out of order (seen 2026-11-21, jax 0.11.2), which made the
+    low-latency reference misattribute rows.
+    """
+    keys = jnp.asarray(keys, I32)
+    n = keys.shape[axis]
+    shape = [1] * keys.ndim
+    shape[axis] = n
+    index = jnp.arange(n, dtype=I32).reshape(shape)
+    return jnp.argsort(keys * n + index, axis=axis).astype(I32)
+
+
 def _expert_mask(idx: jax.Array, num_experts: int) -> jax.Array:
     """[T, K] sanitized ids -> [T, E] bool: token names expert e (once, however often it repeats)."""
     return jnp.any(idx[:, :, None] == jnp.arange(num_experts, dtype=I32)[None, None, :], axis=1)
@@ -252,7 +267,7 @@ def _ll_compact(recv, recv_mask, cfg, num_ranks):
     """Receiver side of ll_to_experts: exchanged slots [R_src, L, T_max, ...] -> rows [L, R*T_max, ...]."""
     num_local, t_max = recv_mask.shape[1], cfg.max_tokens_per_rank
     flat_mask = jnp.swapaxes(recv_mask, 0, 1).reshape(num_local, num_ranks * t_max)
-    order = jnp.argsort(~flat_mask, axis=1, stable=True).astype(I32)
+    order = stable_argsort(~flat_mask, axis=1)  # valid slots first, in (source rank, token) order
     recv_count = flat_mask.sum(1, dtype=I32)
     valid = jnp.arange(num_ranks * t_max)[None, :] < recv_count[:, None]
     src_rank, token = order // t_max, order % t_max

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.reference import stable_argsort
+
 I32 = jnp.int32
 
 
@@ -34,7 +36,7 @@ def padded_all_to_all_combine(recv, axis):
 
 def _ragged_plan(rows_dest, num_ranks, axis):
     """Sort rows by destination and exchange sizes: what ragged_all_to_all needs (offsets in rows)."""
-    order = jnp.argsort(jnp.where(rows_dest >= 0, rows_dest, num_ranks), stable=True)
+    order = stable_argsort(jnp.where(rows_dest >= 0, rows_dest, num_ranks))
     send_sizes = jnp.sum(rows_dest[:, None] == jnp.arange(num_ranks), axis=0, dtype=I32)
     input_offsets = jnp.cumsum(send_sizes, dtype=I32) - send_sizes
     recv_sizes = lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)

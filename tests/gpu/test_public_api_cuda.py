@@ -130,7 +130,7 @@ def test_compiled_hlo_has_no_stray_collectives():
 def test_trace_time_initialization_logs_once(caplog):
     _require(4)
     jax_ep.finalize()
-    mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("gpu")[:4])
+    mesh = _mesh(1, 4)
     cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", num_sms=16)
     x, idx, w = _inputs(np.random.default_rng(1), 1, 4)
     with caplog.at_level(logging.WARNING, logger="jax_ep"):
