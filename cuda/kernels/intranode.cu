@@ -25,9 +25,11 @@ constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (cop
 constexpr int kCopyThreads = 512;
 constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per step (local copy-out)
 // Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores). NOTE: measured on 4x H200, T=4096
-// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; the combine sender got slower with 8
-// (1056 -> 1272 us), so it keeps kUnroll. See docs/gpu-notes.md.
+// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; 1024-thread blocks (unroll 4 or 8) were
+// no faster either (bf16 722 / 757 vs 718 us, fp8 443 / 451 vs 425 us). See docs/gpu-notes.md.
 constexpr int kSendUnroll = 8;
+// Combine sender: 8 vectors in flight per lane (one store per load). See the timing NOTE at combine_send_kernel.
+constexpr int kCombineUnroll = 8;
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
@@ -279,41 +281,64 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Combine step 1: every received row goes back to its source rank s, into s's slot [this rank][source token].
+// Combine step 1: every received row from a remote rank s goes back to s, into s's slot [this rank][source token].
+// Rows from this rank itself are not copied: step 2 reads them straight from `values` (row send_row_offset[me] +
+// send_pos[t, me] is exactly the row that dispatch placed token t of this rank in).
+//
+// NOTE (row order): received rows are grouped by source rank ([prefix[s], prefix[s] + count[s]) holds rank s's
+// rows). Taking them in that order made every warp of every rank write to the same destination at the same time
+// (all ranks first send to rank 0, then to rank 1, ...): one GPU's NVLink ingress was the bottleneck while the
+// others idled. Warps instead interleave the remote sources: virtual row j -> source (me + 1 + j % (R-1)) % R,
+// k-th row of that source with k = j / (R-1), so consecutive warps write to different peers and the rotation by
+// `me` makes the ranks start on different destinations.
+// NOTE (timing, 4x H200, EP4, T=4096 H=7168 K=8 E=256, num_sms=24, loop of 20 incl. 1/20 of a dispatch, one run):
+// source order + local rows via staging 1041-1079 us; interleaved + local direct 667-680 us (512 threads, unroll
+// 4), 650-673 us (unroll 8, kept), 671-691 us (1024 threads, unroll 4), 663-687 us (1024 threads, unroll 2).
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const CombineParams p) {
-  __shared__ int32_t s_valid_rows;
+  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, lane = lane_id();
+  const int R = g.num_ranks, me = g.rank, lane = lane_id();
   const uint32_t epoch = current_epoch(g);
   if (threadIdx.x == 0) {
-    int32_t total = 0;
-    for (int s = 0; s < R; ++s) total += p.recv_rank_counts[s];
-    s_valid_rows = min(total, p.capacity);
+    int32_t off = 0, span = 0;
+    for (int s = 0; s < R; ++s) {
+      const int32_t n = p.recv_rank_counts[s];
+      s_begin[s] = min(off, p.capacity);        // rows past the capacity never arrived
+      s_end[s] = min(off + n, p.capacity);
+      if (s != me) span = max(span, s_end[s] - s_begin[s]);
+      off += n;
+    }
+    s_span = span;
   }
   __syncthreads();
-  const int32_t valid_rows = s_valid_rows;
   const int n16 = p.row_bytes / 16;
   const char* values = static_cast<const char*>(p.values);
+  const int num_src = R - 1;  // R == 1: nothing to send
+  const int64_t total = static_cast<int64_t>(num_src) * s_span;
 
-  for (int row = global_warp(); row < valid_rows; row += num_global_warps()) {
+  for (int64_t j = global_warp(); j < total; j += num_global_warps()) {
+    const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
+    const int32_t row = s_begin[from] + static_cast<int32_t>(j / num_src);
+    if (row >= s_end[from]) continue;  // this source has fewer rows
     const int32_t s = __ldg(p.recv_src_rank + row), t = __ldg(p.recv_src_idx + row);
     if (s < 0 || s >= R || t < 0 || t >= p.max_tokens_per_rank) continue;  // padding (or a corrupted handle)
+    if (s != from) continue;  // a handle from dispatch always has s == from (rows grouped by source rank)
     char* base = peer_base(g, s);
-    const int64_t slot = static_cast<int64_t>(g.rank) * p.max_tokens_per_rank + t;
+    const int64_t slot = static_cast<int64_t>(me) * p.max_tokens_per_rank + t;
     const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
     int4* dst = reinterpret_cast<int4*>(base + B.payload + slot * p.row_bytes);
-    for (int base_i = 0; base_i < n16; base_i += 32 * kUnroll) {
-      int4 v[kUnroll];
+    for (int base_i = 0; base_i < n16; base_i += 32 * kCombineUnroll) {
+      int4 v[kCombineUnroll];
 #pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int i = base_i + j * 32 + lane;
-        if (i < n16) v[j] = ld_nc_v4(src + i);
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const int i = base_i + u * 32 + lane;
+        if (i < n16) v[u] = ld_nc_v4(src + i);
       }
 #pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int i = base_i + j * 32 + lane;
-        if (i < n16) st_v4(dst + i, v[j]);
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const int i = base_i + u * 32 + lane;
+        if (i < n16) st_v4(dst + i, v[u]);
       }
     }
     if (lane < p.num_weights)
@@ -323,7 +348,9 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const Combin
   finish_and_signal_data(g, epoch);
 }
 
-// Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t], accumulated in f32.
+// Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t],
+// accumulated in f32. The local rank's term is read from `values` directly (the row step 1 used to copy into slot
+// [me][t]: same values, same summation order, so the result is unchanged) - one hop less for 1/R of the rows.
 template <typename Elem>
 struct Pack;
 template <>
@@ -368,19 +395,23 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
   using P = Pack<Elem>;
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, lane = lane_id();
+  const int R = g.num_ranks, me = g.rank, lane = lane_id();
   const char* self = self_base(g);
+  const char* values = static_cast<const char*>(p.values);
   const int n16 = p.row_bytes / 16;
   const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
 
   for (int t = global_warp(); t < p.num_tokens; t += num_global_warps()) {
     bool kept = false;
+    int32_t row = -1;
     if (lane < R) {
       const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + lane);
       // A row cut by rank `lane`'s capacity never arrived there: it contributes 0 (its slot holds stale data).
-      kept = sp >= 0 && __ldg(p.send_row_offset + lane) + sp < p.capacity;
+      row = __ldg(p.send_row_offset + lane) + sp;
+      kept = sp >= 0 && row < p.capacity;
     }
     const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
+    const int32_t local_row = __shfl_sync(0xffffffffu, row, me);  // row of token t in `values` if kept locally
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
     for (int i = lane; i < n16; i += 32) {
       float acc[P::kN];
@@ -389,16 +420,27 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
 #pragma unroll
       for (int r = 0; r < kMaxGroupRanks; ++r) {
         if (!((kept_mask >> r) & 1u)) continue;
-        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
-        P::add(acc, ld_cg_v4(src + i));
+        if (r == me) {
+          // `values` is this op's read-only input: nothing writes it while the kernel runs.
+          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
+          P::add(acc, ld_nc_v4(src + i));
+        } else {
+          const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+          P::add(acc, ld_cg_v4(src + i));
+        }
       }
       dst[i] = P::pack(acc);
     }
     if (lane < p.num_weights) {
       float acc = 0.0f;
       const float* w = reinterpret_cast<const float*>(self + B.topk_weights);
-      for (int r = 0; r < R; ++r)
-        if ((kept_mask >> r) & 1u) acc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
+      for (int r = 0; r < R; ++r) {
+        if (!((kept_mask >> r) & 1u)) continue;
+        if (r == me)
+          acc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
+        else
+          acc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
+      }
       p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = acc;
     }
   }
@@ -435,6 +477,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   s.experts_per_rank = p.num_experts / p.g.num_ranks;
   s.write_src_idx = true;
   send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
@@ -475,6 +518,7 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   s.experts_per_rank = 1;
   s.write_src_idx = false;
   send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
