@@ -87,15 +87,8 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
              (spec,) * 4, fp8_bytes),
         Case("jax_ep combine bf16", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
              (spec,) * (1 + len(handle)), bf16_bytes, first_call=True),
-        Case("all_to_all padded dispatch", "baseline", "dispatch",
-             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (x, idx), mesh,
-             (spec,) * 2, bf16_bytes),
-        Case("all_to_all padded dispatch", "baseline", "dispatch fp8",
-             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (q, idx), mesh,
-             (spec,) * 2, fp8_bytes),
-        Case("all_to_all padded combine", "baseline", "combine", lambda r: baselines.padded_all_to_all_combine(
-            r, AXIS), (_random((ranks * ranks, tokens, hidden), rng),), mesh, (spec,), bf16_bytes),
-    ]
+    ] + _padded_cases([("dispatch", x, bf16_bytes), ("dispatch fp8", q, fp8_bytes)], idx, experts, mesh, rng,
+                      bf16_bytes)
     if with_ragged:
         capacity = ranks * tokens
 
@@ -113,6 +106,23 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
                  bf16_bytes),
             _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, bf16_bytes),
         ]
+    return cases
+
+
+def _padded_cases(dispatches, idx, experts, mesh, rng, combine_bytes):
+    """Padded all_to_all baselines: one dispatch per (op kind, payload, bytes charged) and the combine."""
+    ranks = mesh.devices.size
+    tokens, hidden = dispatches[0][1].shape[0] // ranks, dispatches[0][1].shape[1]
+    spec = P(AXIS)
+
+    def dispatch(x, idx):
+        return baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS)
+
+    cases = [Case("all_to_all padded dispatch", "baseline", kind, dispatch, (payload, idx), mesh, (spec,) * 2, nbytes)
+             for kind, payload, nbytes in dispatches]
+    cases.append(Case("all_to_all padded combine", "baseline", "combine",
+                      lambda r: baselines.padded_all_to_all_combine(r, AXIS),
+                      (_random((ranks * ranks, tokens, hidden), rng),), mesh, (spec,), combine_bytes))
     return cases
 
 
@@ -164,12 +174,7 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
              first_call=True),
         Case("jax_ep LL combine bf16", "jax_ep", "combine", ll_combine, (recv_x, idx, w, src_info, layout_range),
              mesh, (spec,) * 5, bf16_bytes, first_call=True),
-        Case("all_to_all padded dispatch", "baseline", "dispatch",
-             lambda x, idx: baselines.padded_all_to_all_dispatch(x, idx, experts, ranks, AXIS), (x, idx), mesh,
-             (spec,) * 2, fp8_bytes),
-        Case("all_to_all padded combine", "baseline", "combine", lambda r: baselines.padded_all_to_all_combine(
-            r, AXIS), (_random((ranks * ranks, tokens, hidden), rng),), mesh, (spec,), bf16_bytes),
-    ]
+    ] + _padded_cases([("dispatch", x, fp8_bytes)], idx, experts, mesh, rng, bf16_bytes)
     if with_ragged:
         def ragged(x, idx):
             rows_, dest = baselines.ragged_per_expert_rows(x, idx, experts, ranks)

@@ -1,0 +1,29 @@
+"""`python -m jax_ep.bench` runs end to end on CPU (tiny shapes) and writes what it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_cli_small_cpu_run(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jax_ep.bench", "--tokens", "8", "--ll-tokens", "4", "--hidden", "128",
+           "--experts", "8", "--ll-experts", "8", "--topk", "2", "--calls", "2", "--loops", "1",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "emulated CPU devices" in proc.stdout and "ragged baselines are skipped on CPU" in proc.stdout
+    data = json.loads((tmp_path / "results.json").read_text())
+    names = {(r["mode"], r["name"], r["op"]) for r in data["results"]}
+    for expected in [("normal", "jax_ep dispatch bf16", "dispatch"), ("normal", "jax_ep combine bf16", "combine"),
+                     ("normal", "all_to_all padded dispatch", "dispatch"),
+                     ("low_latency", "jax_ep LL dispatch fp8", "dispatch")]:
+        assert expected in names, f"{expected} missing from {sorted(names)}"
+    for r in data["results"]:
+        assert "error" not in r, r
+        assert r["us"] > 0 and r["gbps"] > 0 and r["ranks"] == 4, r
+    assert data["meta"]["command"].startswith("python -m jax_ep.bench")
+    assert "| mode | T | contender |" in proc.stdout
