@@ -478,7 +478,6 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   s.write_src_idx = true;
   send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
   r.g = p.g;
@@ -518,7 +517,6 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   s.experts_per_rank = 1;
   s.write_src_idx = false;
   send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
