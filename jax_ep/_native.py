@@ -7,6 +7,7 @@ Registration is one loop over the module's `registrations()`; it runs once, at t
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 _module = None
@@ -15,7 +16,11 @@ try:
     from . import _jax_ep_native as _module  # type: ignore[attr-defined]
 except ImportError as e:  # not built (JAX_EP_NATIVE=OFF, no CUDA toolkit at build time, ...) or broken
     _module = None
-    _load_error = f"jax_ep native extension not available: {e}"
+    if importlib.util.find_spec(f"{__package__}._jax_ep_native") is None:
+        _load_error = ("jax_ep native extension was not built (the build found no CUDA toolkit or no "
+                       "nvidia-nvshmem-cu13 headers, or JAX_EP_NATIVE=OFF; docs/BUILDING.md)")
+    else:
+        _load_error = f"jax_ep native extension failed to load: {e}"
 
 _lock = threading.Lock()
 _registered: list[tuple[str, str]] | None = None
