@@ -186,6 +186,31 @@ int64_t payload_elem_bytes(ffi::DataType t) {
   return t == ffi::DataType::BF16 ? 2 : (t == ffi::DataType::F32 ? 4 : 0);
 }
 
+// Checks shared by cached dispatch and combine: the moved rows ([rows, W] bf16/f32 that fit a staging slot), the
+// optional weights ([weight_rows, Kw], Kw = 0 for none) and the handle arrays. Writes the row size in bytes.
+ffi::Error CheckRowsAndHandle(const char* target, const CommonAttrs& a, const GroupCtx& g, const AnyBuf& rows,
+                              int64_t T, int64_t C, const F32Mat& weights, int64_t weight_rows, const S32Mat& send_pos,
+                              const S32Vec& recv_src_idx, const S32Vec& recv_src_rank,
+                              const S32Vec& recv_rank_counts, const S32Vec& send_row_offset, int64_t* row_bytes_out) {
+  const int64_t R = g.num_ranks;
+  const int64_t elem = payload_elem_bytes(rows.element_type());
+  JAX_EP_CHECK(target, elem > 0, "payload / values must be bfloat16 or float32");
+  const int64_t row_bytes = rows.dimensions()[1] * elem;
+  JAX_EP_CHECK(target, row_bytes % 16 == 0 && row_bytes <= g.layout.payload_stride,
+               "rows must be a multiple of 16 bytes and at most 4 * hidden bytes, got " + std::to_string(row_bytes));
+  JAX_EP_CHECK(target, T <= a.max_tokens_per_rank, "T exceeds max_tokens_per_rank");
+  JAX_EP_CHECK(target, weights.dimensions()[0] == weight_rows && weights.dimensions()[1] <= a.num_topk,
+               "weights must be [" + std::to_string(weight_rows) + ", Kw] with Kw <= num_topk (0 = none), got " +
+                   shape_str(weights.dimensions()));
+  JAX_EP_CHECK_SHAPE(target, "send_pos", send_pos, T, R);
+  JAX_EP_CHECK_SHAPE(target, "recv_src_idx", recv_src_idx, C);
+  JAX_EP_CHECK_SHAPE(target, "recv_src_rank", recv_src_rank, C);
+  JAX_EP_CHECK_SHAPE(target, "recv_rank_counts", recv_rank_counts, R);
+  JAX_EP_CHECK_SHAPE(target, "send_row_offset", send_row_offset, R);
+  *row_bytes_out = row_bytes;
+  return ffi::Error::Success();
+}
+
 ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, AnyBuf payload, F32Mat weights, S32Mat send_pos,
                           S32Vec recv_src_idx, S32Vec recv_src_rank, S32Vec recv_rank_counts, S32Vec send_row_offset,
                           ffi::Result<AnyBuf> recv, ffi::Result<F32Mat> recv_weights, int64_t group_id,
@@ -200,21 +225,12 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, AnyBuf payload, 
     GroupCtx g{};
     int32_t sm_count = 0;
     if (auto e = make_group_ctx(kCached, ordinal, a, C, &g, &sm_count); !e.success()) return e;
-    const int64_t R = g.num_ranks;
-    const int64_t elem = payload_elem_bytes(payload.element_type());
-    JAX_EP_CHECK(kCached, elem > 0, "payload must be bfloat16 or float32");
-    const int64_t row_bytes = W * elem;
-    JAX_EP_CHECK(kCached, row_bytes % 16 == 0 && row_bytes <= g.layout.payload_stride,
-                 "payload rows must be a multiple of 16 bytes and at most 4 * hidden bytes, got " +
-                     std::to_string(row_bytes));
-    JAX_EP_CHECK(kCached, T <= max_tokens_per_rank, "T exceeds max_tokens_per_rank");
+    int64_t row_bytes = 0;
+    if (auto e = CheckRowsAndHandle(kCached, a, g, payload, T, C, weights, T, send_pos, recv_src_idx, recv_src_rank,
+                                    recv_rank_counts, send_row_offset, &row_bytes);
+        !e.success())
+      return e;
     const int64_t Kw = weights.dimensions()[1];
-    JAX_EP_CHECK(kCached, weights.dimensions()[0] == T && Kw <= num_topk,
-                 "weights must be [T, Kw] with Kw <= num_topk (0 = none), got " + shape_str(weights.dimensions()));
-    JAX_EP_CHECK_SHAPE(kCached, "send_pos", send_pos, T, R);
-    JAX_EP_CHECK_SHAPE(kCached, "recv_src_rank", recv_src_rank, C);
-    JAX_EP_CHECK_SHAPE(kCached, "recv_rank_counts", recv_rank_counts, R);
-    JAX_EP_CHECK_SHAPE(kCached, "send_row_offset", send_row_offset, R);
     JAX_EP_CHECK(kCached, recv->element_type() == payload.element_type(), "recv must have the payload's dtype");
     JAX_EP_CHECK_SHAPE(kCached, "recv", (*recv), C, W);
     JAX_EP_CHECK_SHAPE(kCached, "recv_weights", (*recv_weights), C, Kw);
@@ -256,22 +272,13 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, AnyBuf values, F32Mat w
     GroupCtx g{};
     int32_t sm_count = 0;
     if (auto e = make_group_ctx(kCombine, ordinal, a, C, &g, &sm_count); !e.success()) return e;
-    const int64_t R = g.num_ranks;
-    const int64_t elem = payload_elem_bytes(values.element_type());
-    JAX_EP_CHECK(kCombine, elem > 0, "values must be bfloat16 or float32");
-    const int64_t row_bytes = W * elem;
-    JAX_EP_CHECK(kCombine, row_bytes % 16 == 0 && row_bytes <= g.layout.payload_stride,
-                 "value rows must be a multiple of 16 bytes and at most 4 * hidden bytes, got " +
-                     std::to_string(row_bytes));
-    JAX_EP_CHECK(kCombine, T <= max_tokens_per_rank, "T exceeds max_tokens_per_rank");
+    int64_t row_bytes = 0;
+    if (auto e = CheckRowsAndHandle(kCombine, a, g, values, T, C, weights, C, send_pos, recv_src_idx, recv_src_rank,
+                                    recv_rank_counts, send_row_offset, &row_bytes);
+        !e.success())
+      return e;
     const int64_t Kw = weights.dimensions()[1];
-    JAX_EP_CHECK(kCombine, weights.dimensions()[0] == C && Kw <= num_topk,
-                 "weights must be [C, Kw] with Kw <= num_topk (0 = none), got " + shape_str(weights.dimensions()));
-    JAX_EP_CHECK_SHAPE(kCombine, "send_pos", send_pos, T, R);
-    JAX_EP_CHECK_SHAPE(kCombine, "recv_src_idx", recv_src_idx, C);
-    JAX_EP_CHECK_SHAPE(kCombine, "recv_src_rank", recv_src_rank, C);
-    JAX_EP_CHECK_SHAPE(kCombine, "recv_rank_counts", recv_rank_counts, R);
-    JAX_EP_CHECK_SHAPE(kCombine, "send_row_offset", send_row_offset, R);
+    const int64_t elem = payload_elem_bytes(values.element_type());
     JAX_EP_CHECK(kCombine, y->element_type() == values.element_type(), "y must have the values' dtype");
     JAX_EP_CHECK_SHAPE(kCombine, "y", (*y), T, W);
     JAX_EP_CHECK_SHAPE(kCombine, "y_weights", (*y_weights), T, Kw);

@@ -448,6 +448,20 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
 
 int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
 
+// The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's
+// rows have arrived here, then copy staging into XLA's outputs with all SMs. Stream order carries the
+// dependencies; only the one-warp kernel spins (see docs/gpu-notes.md on why wide kernels never wait).
+Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
+                             cudaStream_t stream) {
+  send_rows_kernel<<<clamp_blocks(num_sms), kSendThreads, 0, stream>>>(s);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  recv_copy_kernel<<<clamp_blocks(copy_blocks), kCopyThreads, 0, stream>>>(r);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
@@ -476,8 +490,6 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   s.capacity = p.capacity;
   s.experts_per_rank = p.num_experts / p.g.num_ranks;
   s.write_src_idx = true;
-  send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
   r.g = p.g;
@@ -492,11 +504,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.num_weights = p.num_topk;
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
-  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  recv_copy_kernel<<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(r);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return Status::Ok();
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, stream);
 }
 
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream) {
@@ -516,8 +524,6 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   s.capacity = p.capacity;
   s.experts_per_rank = 1;
   s.write_src_idx = false;
-  send_rows_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(s);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   RecvArgs r{};
   r.g = p.g;
@@ -527,11 +533,7 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   r.row_bytes = p.row_bytes;
   r.out_weights = p.num_weights > 0 ? p.recv_weights : nullptr;
   r.num_weights = p.num_weights;
-  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  recv_copy_kernel<<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(r);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return Status::Ok();
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, stream);
 }
 
 Status launch_combine(const CombineParams& p, cudaStream_t stream) {

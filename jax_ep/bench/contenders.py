@@ -51,15 +51,20 @@ def _received_rows(idx, ranks, tokens, experts):
     return in_rank.sum() / ranks
 
 
-def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
-    ranks = len(devices)
+def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms):
+    """Mesh, initialized config, DeepEP routing (numpy, for byte counts) and the sharded-to-be inputs."""
     mesh = Mesh(np.array(devices), (AXIS,))
     cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
     jax_ep.initialize(mesh, cfg)
-    idx = deepep_routing(rng, ranks, tokens, experts, topk)
-    rows = _received_rows(idx, ranks, tokens, experts)
-    x = _random((ranks * tokens, hidden), rng)
+    idx = deepep_routing(rng, len(devices), tokens, experts, topk)
+    x = _random((len(devices) * tokens, hidden), rng)
     w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
+    return len(devices), mesh, cfg, idx, x, w
+
+
+def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
+    rows = _received_rows(idx, ranks, tokens, experts)
     idx = jnp.asarray(idx)
     q, scales = jax.jit(jax_ep.fp8.quantize_blocks)(x)
     bf16_bytes, fp8_bytes = rows * hidden * 2, rows * (hidden + hidden // 128 * 4)
@@ -144,14 +149,8 @@ def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
 
 
 def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
-    ranks = len(devices)
-    mesh = Mesh(np.array(devices), (AXIS,))
-    cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
-    jax_ep.initialize(mesh, cfg)
-    idx = deepep_routing(rng, ranks, tokens, experts, topk)
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
     pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
-    x = _random((ranks * tokens, hidden), rng)
-    w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
     idx = jnp.asarray(idx)
     spec = P(AXIS)
 
