@@ -64,8 +64,6 @@ def test_module_metadata():
 def test_layout_cpu_target_under_jit(T, K, E, R, mode):
     from jax_ep import _ffi
 
-    if mode == "distinct" and K > E:
-        pytest.skip("K > E")
     rng = np.random.default_rng(hash((T, K, E, R, mode)) % 2**32)
     idx = routing(rng, T, K, E, mode)
     f = jax.jit(lambda i: _ffi.layout(i, num_experts=E, num_ranks=R))
@@ -111,8 +109,7 @@ def test_layout_rejects_bad_attrs():
 
 def test_buffer_formula_matches_native():
     m = _native.module()
-    if not hasattr(m, "normal_buffer_bytes"):
-        pytest.skip("extension has no normal_buffer_bytes (built before the intranode kernels)")
+    assert hasattr(m, "normal_buffer_bytes"), "the extension must export normal_buffer_bytes (stale build?)"
     for args in [(7168, 8, 4096, 4, 16384, 256), (2048, 1, 1, 2, 2, 8), (128, 16, 17, 8, 5, 64),
                  (4096, 4, 100, 2, 1000, 32)]:
         assert m.normal_buffer_bytes(*args) == buffer_layout.normal_buffer_bytes(*args), args
