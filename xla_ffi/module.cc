@@ -89,6 +89,27 @@ NB_MODULE(_jax_ep_native, m) {
       "peer access between all pairs, runs one warm-up barrier. Returns the group id. set_id: pass the id of an "
       "earlier group so several disjoint groups of one mesh answer one handler attribute (default: own set).");
   m.def(
+      "intranode_register_external_group",
+      [](int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases, int64_t buffer_bytes,
+         int64_t set_id) {
+        int64_t id = -1;
+        throw_if_error(jax_ep::register_external_group(device_ordinal, rank, peer_bases, buffer_bytes, set_id, &id));
+        return id;
+      },
+      nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("peer_bases"), nb::arg("buffer_bytes"),
+      nb::arg("set_id") = -1,
+      "One process per GPU (NVSHMEM): registers this process's rank of a group whose buffers the caller allocated "
+      "and mapped (peer_bases[r] = rank r's buffer as this device addresses it, e.g. nvshmem_ptr). The buffer must "
+      "be zeroed before the first op; jax_ep never frees it. Returns the group id.");
+  m.def(
+      "intranode_warmup_group",
+      [](int64_t id, uint64_t timeout_ns) {
+        nb::gil_scoped_release release;
+        throw_if_error(jax_ep::warmup_group(id, timeout_ns));
+      },
+      nb::arg("id"), nb::arg("timeout_ns") = 30ull * 1000 * 1000 * 1000,
+      "Collective: one device-side group barrier on this process's devices of the group, waited for on the host.");
+  m.def(
       "intranode_destroy_group",
       [](int64_t id) {
         nb::gil_scoped_release release;
@@ -108,7 +129,7 @@ NB_MODULE(_jax_ep_native, m) {
         d["buffer_bytes"] = info.buffer_bytes;
         d["buffers"] = info.buffers;
         d["sm_counts"] = info.sm_counts;
-        d["transport"] = "cuda-peer";
+        d["transport"] = info.owns_buffers ? "cuda-peer" : "external";
         return d;
       },
       nb::arg("id"), "What a group holds (ids, devices, bytes, device addresses of the staging buffers).");

@@ -93,30 +93,36 @@ Status setup(const std::vector<int>& ordinals, int64_t bytes, Group* g) {
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinals[i]));
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   }
-  // Warm-up barrier on all devices at once (each waits for the others), then wait for all of them.
-  std::vector<cudaStream_t> streams(n, nullptr);
-  Status st;
-  for (int i = 0; i < n && st.ok(); ++i) {
-    st = CudaStatus(cudaSetDevice(ordinals[i]), "cudaSetDevice", __FILE__, __LINE__);
-    if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking),
-                                 "cudaStreamCreateWithFlags", __FILE__, __LINE__);
-    if (st.ok()) {
-      GroupCtx ctx{};
-      for (int r = 0; r < n; ++r) ctx.peers.base[r] = g->buffers[r];
-      ctx.rank = i;
-      ctx.num_ranks = n;
-      ctx.timeout_ns = 30ull * 1000 * 1000 * 1000;
-      st = launch_group_barrier(ctx, streams[i]);
+  return Status::Ok();
+}
+
+// Adds a set-up group to the registry (id, set id); refuses a device that is already in a group of the same set.
+// On refusal an owned group's buffers are freed.
+Status insert_group(std::unique_ptr<Group> g, int64_t set_id, int64_t* id_out) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  g->info.id = next_id++;
+  g->info.set_id = set_id >= 0 ? set_id : g->info.id;
+  g->info.buffers.clear();
+  for (char* b : g->buffers) g->info.buffers.push_back(reinterpret_cast<uintptr_t>(b));
+  // Two groups of one set must not share a device (a handler could not tell which one it is in).
+  for (auto& [other_id, other] : registry()) {
+    if (other->info.set_id != g->info.set_id) continue;
+    for (int o : other->info.device_ordinals) {
+      if (o < 0) continue;
+      const auto& mine = g->info.device_ordinals;
+      if (std::find(mine.begin(), mine.end(), o) == mine.end()) continue;
+      lock.unlock();
+      if (g->info.owns_buffers) {
+        DeviceRestorer restore;
+        free_buffers(g->info.device_ordinals, g->buffers);
+      }
+      return Status::Error("device " + std::to_string(o) + " is already in group " + std::to_string(other_id) +
+                           " of set " + std::to_string(g->info.set_id));
     }
   }
-  for (int i = 0; i < n; ++i) {
-    if (streams[i] == nullptr) continue;
-    cudaSetDevice(ordinals[i]);
-    Status s2 = CudaStatus(cudaStreamSynchronize(streams[i]), "warm-up barrier", __FILE__, __LINE__);
-    if (st.ok()) st = s2;
-    cudaStreamDestroy(streams[i]);
-  }
-  return st;
+  *id_out = g->info.id;
+  registry()[g->info.id] = std::move(g);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -151,24 +157,15 @@ Status create_group(const std::vector<int>& device_ordinals, int64_t buffer_byte
       return Status::Error("intranode_create_group failed: " + st.message());
     }
   }
-  std::unique_lock<std::shared_mutex> lock(registry_mutex());
-  g->info.id = next_id++;
-  g->info.set_id = set_id >= 0 ? set_id : g->info.id;
-  for (char* b : g->buffers) g->info.buffers.push_back(reinterpret_cast<uintptr_t>(b));
-  // Two groups of one set must not share a device (a handler could not tell which one it is in).
-  for (auto& [other_id, other] : registry()) {
-    if (other->info.set_id != g->info.set_id) continue;
-    for (int o : other->info.device_ordinals)
-      if (std::find(device_ordinals.begin(), device_ordinals.end(), o) != device_ordinals.end()) {
-        lock.unlock();
-        DeviceRestorer restore;
-        free_buffers(device_ordinals, g->buffers);
-        return Status::Error("device " + std::to_string(o) + " is already in group " + std::to_string(other_id) +
-                             " of set " + std::to_string(g->info.set_id));
-      }
+  st = insert_group(std::move(g), set_id, id_out);
+  if (!st.ok()) return st;
+  // One warm-up barrier on all devices at once (each waits for the others): peer mappings and kernels are loaded
+  // before the first op.
+  st = warmup_group(*id_out, 30ull * 1000 * 1000 * 1000);
+  if (!st.ok()) {
+    destroy_group(*id_out);
+    return Status::Error("intranode_create_group warm-up failed: " + st.message());
   }
-  *id_out = g->info.id;
-  registry()[g->info.id] = std::move(g);
   return Status::Ok();
 }
 
@@ -181,8 +178,78 @@ Status destroy_group(int64_t id) {
     g = std::move(it->second);
     registry().erase(it);
   }
+  if (!g->info.owns_buffers) return Status::Ok();
   DeviceRestorer restore;
   return free_buffers(g->info.device_ordinals, g->buffers);
+}
+
+Status register_external_group(int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases,
+                               int64_t buffer_bytes, int64_t set_id, int64_t* id_out) {
+  const int n = static_cast<int>(peer_bases.size());
+  if (n < 1 || n > kMaxGroupRanks)
+    return Status::Error("a group needs 1.." + std::to_string(kMaxGroupRanks) + " ranks, got " + std::to_string(n));
+  if (rank < 0 || rank >= n)
+    return Status::Error("rank " + std::to_string(rank) + " out of range for a group of " + std::to_string(n));
+  for (int r = 0; r < n; ++r)
+    if (peer_bases[r] == 0 || peer_bases[r] % kAlign != 0)
+      return Status::Error("peer_bases[" + std::to_string(r) + "] is null or not " + std::to_string(kAlign) +
+                           "-byte aligned (no load/store mapping of that peer's buffer: is it NVLink-reachable?)");
+  if (buffer_bytes < kSignalHeaderBytes)
+    return Status::Error("buffer_bytes must be >= " + std::to_string(kSignalHeaderBytes));
+  int count = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+  if (device_ordinal < 0 || device_ordinal >= count)
+    return Status::Error("device ordinal " + std::to_string(device_ordinal) + " out of range (" +
+                         std::to_string(count) + " CUDA devices visible)");
+  auto g = std::make_unique<Group>();
+  g->info.owns_buffers = false;
+  g->info.device_ordinals.assign(n, -1);
+  g->info.device_ordinals[rank] = device_ordinal;
+  g->info.buffer_bytes = buffer_bytes;
+  g->info.sm_counts.assign(n, 0);
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&g->info.sm_counts[rank], cudaDevAttrMultiProcessorCount, device_ordinal));
+  for (uintptr_t b : peer_bases) g->buffers.push_back(reinterpret_cast<char*>(b));
+  return insert_group(std::move(g), set_id, id_out);
+}
+
+Status warmup_group(int64_t id, uint64_t timeout_ns) {
+  GroupInfo info;
+  std::vector<char*> bases;
+  {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex());
+    auto it = registry().find(id);
+    if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+    info = it->second->info;
+    bases = it->second->buffers;
+  }
+  DeviceRestorer restore;
+  const int n = static_cast<int>(bases.size());
+  std::vector<cudaStream_t> streams(n, nullptr);
+  Status st;
+  // Launch on every local device of the group first, then wait: in-process ranks wait for each other.
+  for (int r = 0; r < n && st.ok(); ++r) {
+    if (info.device_ordinals[r] < 0) continue;
+    st = CudaStatus(cudaSetDevice(info.device_ordinals[r]), "cudaSetDevice", __FILE__, __LINE__);
+    if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking),
+                                 "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+    if (st.ok()) {
+      GroupCtx ctx{};
+      for (int q = 0; q < n; ++q) ctx.peers.base[q] = bases[q];
+      ctx.rank = r;
+      ctx.num_ranks = n;
+      ctx.timeout_ns = timeout_ns;
+      st = launch_group_barrier(ctx, streams[r]);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (streams[r] == nullptr) continue;
+    cudaSetDevice(info.device_ordinals[r]);
+    Status s2 = CudaStatus(cudaStreamSynchronize(streams[r]), "warm-up barrier", __FILE__, __LINE__);
+    if (st.ok()) st = s2;
+    cudaStreamDestroy(streams[r]);
+  }
+  return st;
 }
 
 Status group_info(int64_t id, GroupInfo* out) {
