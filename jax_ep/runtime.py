@@ -3,7 +3,10 @@
 `initialize(mesh, *configs)` does every expensive, collective step before tracing so the first jitted call runs
 at steady-state speed. For the reference backend there is nothing to set up beyond recording the choice; for the
 CUDA backend it creates, per EP group, the device buffers, peer access and pointer tables (single process) through
-the native extension. Ops that find no runtime for their config initialize at trace time and log once.
+the native extension, or (one process per GPU) the NVSHMEM runtime, teams and symmetric buffers whose peer
+pointers feed the same kernels (multiprocess.py, nvshmem_runtime.py). With several processes every initialize
+first checks, through the jax.distributed key-value store, that all processes set up the same thing. Ops that
+find no runtime for their config initialize at trace time and log once.
 """
 
 from __future__ import annotations
@@ -53,12 +56,21 @@ class Runtime:
     timings: dict  # step name -> seconds
     configs: tuple
     mesh_shape: dict
+    # Staging of every device = [normal region | low-latency region]: the normal region holds the largest normal
+    # layout of the configs, the low-latency region (two halves, used by alternate LL ops) starts right after it.
+    low_latency_offset: int = 0
+    low_latency_bytes: int = 0
+    # One process per GPU with the CUDA backend: the NVSHMEM teams (dicts: kind, axis_name, group_index, nvl_index,
+    # pes, size, member, my_rank, n_pes) and the nvshmem_runtime.Transport that finalize tears down.
+    teams: list = dataclasses.field(default_factory=list)
+    nvshmem: Any = None
 
     def summary(self) -> str:
         steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.timings.items())
+        teams = f", {len(self.teams)} NVSHMEM team(s)" if self.teams else ""
         return (f"jax_ep runtime: {self.process_model}, transport {self.transport}, "
-                f"{sum(len(g) for g in self.groups.values())} EP group(s), {self.buffer_bytes} buffer bytes per "
-                f"device; {steps}")
+                f"{sum(len(g) for g in self.groups.values())} EP group(s){teams}, {self.buffer_bytes} buffer bytes "
+                f"per device; {steps}")
 
 
 def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
@@ -69,11 +81,21 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
     normal = buffer_layout.normal_buffer_bytes(
         hidden=cfg.hidden, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
         num_ranks=num_ranks, capacity=cfg.capacity(num_ranks), num_experts=cfg.num_experts)
-    ll_fn = getattr(buffer_layout, "low_latency_buffer_bytes", None)
-    low_latency = 0 if ll_fn is None else ll_fn(
-        hidden=cfg.hidden, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
-        num_ranks=num_ranks, num_experts=cfg.num_experts)
+    low_latency = 0
+    if cfg.uses_low_latency_buffers():
+        low_latency = buffer_layout.low_latency_buffer_bytes(
+            hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank, num_ranks=num_ranks,
+            num_experts=cfg.num_experts)
     return BufferSizeHint(normal, low_latency, normal + low_latency)
+
+
+def staging_plan(configs, num_ranks_of) -> tuple[int, int, int]:
+    """(buffer_bytes, low_latency_offset, low_latency_bytes) of one device's staging for the CUDA `configs`:
+    the largest normal region, then the largest low-latency region (num_ranks_of(cfg) = R of its EP group)."""
+    hints = [buffer_size_hint(c, num_ranks_of(c)) for c in configs]
+    normal = max((h.normal_bytes for h in hints), default=0)
+    low_latency = max((h.low_latency_bytes for h in hints), default=0)
+    return normal + low_latency, normal, low_latency
 
 
 def _log_once(key, msg, *args):
@@ -105,12 +127,28 @@ def resolve_backend(cfg: EPConfig, platform: str | None = None) -> str:
                           f"{_native.load_error()}")
         if not on_gpu:
             raise EPError(f"EPConfig.backend='cuda' needs arrays on CUDA devices; this program runs on {platform!r}")
+        missing = _nvshmem_missing()
+        if missing:
+            raise EPError(f"EPConfig.backend='cuda': {missing}")
         return "cuda"
-    chosen = "cuda" if (on_gpu and _native.available()) else "reference"
+    nvshmem_missing = _nvshmem_missing() if (on_gpu and _native.available()) else None
+    chosen = "cuda" if (on_gpu and _native.available() and not nvshmem_missing) else "reference"
     why = "" if chosen == "cuda" else (
-        f" (platform {platform!r})" if not on_gpu else f" (CUDA extension unavailable: {_native.load_error()})")
+        f" (platform {platform!r})" if not on_gpu else
+        f" (CUDA extension unavailable: {_native.load_error()})" if not _native.available() else
+        f" ({nvshmem_missing})")
     _log_once(("auto", cfg, chosen), "jax_ep: backend='auto' uses the %s backend%s", chosen, why)
     return chosen
+
+
+def _nvshmem_missing() -> str | None:
+    """Why the one-process-per-GPU transport is unavailable (None when it is, or with one process)."""
+    if jax.process_count() == 1:
+        return None
+    from . import nvshmem_runtime
+
+    status = nvshmem_runtime.availability()
+    return None if status == "available" else status
 
 
 def _groups_of(mesh, axis_name: str) -> list[GroupInfo]:
@@ -162,16 +200,30 @@ def _build(mesh, configs) -> Runtime:
         groups.setdefault(cfg.axis_name, groups_for_axis)
     timings["plan"] = time.perf_counter() - t0
     multi = jax.process_count() > 1
-    buffer_bytes = 0
+    buffer_bytes = ll_offset = ll_bytes = 0
     transport = "xla-collectives"
     cuda_configs = [c for c, b in backends.items() if b == "cuda"]
     if cuda_configs:
-        if multi:
-            raise EPError("jax_ep.initialize: the CUDA backend in multi-process mode (NVSHMEM) is not built yet; "
-                          "use backend='reference' or one process driving all local GPUs")
+        buffer_bytes, ll_offset, ll_bytes = staging_plan(
+            cuda_configs, lambda c: len(groups[c.axis_name][0].device_ids))
+    nvshmem = None
+    if multi:
+        from . import multiprocess, nvshmem_runtime
+
         t1 = time.perf_counter()
-        buffer_bytes = max(buffer_size_hint(c, len(groups[c.axis_name][0].device_ids)).total_bytes
-                           for c in cuda_configs)
+        generation = multiprocess.next_generation()
+        num_axes = len({c.axis_name for c in cuda_configs})
+        plan = nvshmem_runtime.prepare(buffer_bytes * num_axes) if cuda_configs else None
+        multiprocess.agree(generation, mesh, configs, backends, plan)
+        timings["agree"] = time.perf_counter() - t1
+        if plan is not None and plan["error"]:
+            raise EPError(plan["error"])
+        if cuda_configs:
+            _native.ensure_registered()
+            nvshmem = multiprocess.connect(generation, mesh, configs, groups, cuda_configs, buffer_bytes, timings)
+            transport = "nvshmem"
+    elif cuda_configs:
+        t1 = time.perf_counter()
         _native.ensure_registered()
         for axis in {c.axis_name for c in cuda_configs}:
             set_id = -1  # the groups of one mesh axis (e.g. dp x ep) share a set id: one handler attribute value
@@ -183,7 +235,9 @@ def _build(mesh, configs) -> Runtime:
         transport = "cuda-peer"
     return Runtime(process_model="multi-process" if multi else "single-process", transport=transport,
                    backends=backends, groups=groups, buffer_bytes=buffer_bytes, timings=timings,
-                   configs=configs, mesh_shape=dict(mesh.shape))
+                   configs=configs, mesh_shape=dict(mesh.shape), low_latency_offset=ll_offset,
+                   low_latency_bytes=ll_bytes, teams=[t.summary() for t in nvshmem.teams] if nvshmem else [],
+                   nvshmem=nvshmem)
 
 
 def _local_ordinal(device_id: int) -> int:
@@ -194,11 +248,24 @@ def _local_ordinal(device_id: int) -> int:
 
 
 def finalize() -> None:
-    """Releases what `initialize` set up. Safe to call twice; `initialize` works again afterwards."""
+    """Releases what `initialize` set up. Safe to call twice; `initialize` works again afterwards.
+
+    One process per GPU with the CUDA backend: collective (every process calls it; a bounded key-value-store
+    barrier comes first, then the groups, symmetric buffers and teams go). NVSHMEM itself stays up until the
+    interpreter exits (docs/PROCESS_MODELS.md says why); the next initialize reuses it.
+    """
     with _lock:
         current: Runtime | None = _state["runtime"]
         _state["runtime"] = None
         if current is None:
+            return
+        if current.nvshmem is not None:
+            from . import multiprocess, nvshmem_runtime
+
+            for groups in current.groups.values():
+                for group in groups:
+                    group.native_id = None
+            nvshmem_runtime.teardown(current.nvshmem, multiprocess.timeout_of(current.configs))
             return
         for groups in current.groups.values():
             for group in groups:
@@ -239,7 +306,9 @@ def group_id_for(cfg: EPConfig) -> int:
     """Native group-set id for the CUDA backend: every device finds its own group (and rank) from it and its
     device ordinal, so one attribute value serves all EP groups of the mesh."""
     rt = runtime_for(cfg)
-    group = rt.groups[cfg.axis_name][0]
-    if group.native_id is None:
+    # One process: group 0 holds the set id every group of the axis shares. One process per GPU: only this
+    # process's group has a native id (it is its own set).
+    ids = [g.native_id for g in rt.groups[cfg.axis_name] if g.native_id is not None]
+    if not ids:
         raise EPError(f"jax_ep: config {cfg} does not use the CUDA backend in the current runtime")
-    return group.native_id
+    return ids[0]

@@ -1,0 +1,332 @@
+"""The one-process-per-GPU transport: NVSHMEM bootstrap, teams, symmetric buffers, peer pointers.
+
+Used by `jax_ep.initialize` when `jax.process_count() > 1` and a config runs on the CUDA backend. Steps (each timed
+into `Runtime.timings`), all collective and made in the same order on every process:
+  1. bootstrap  process 0 makes the NVSHMEM unique id, the jax.distributed key-value store carries it, every process
+                joins as PE = its jax process index on its one GPU (`nvshmemx_hostlib_init_attr`), init status checked.
+                Once per process: NVSHMEM stays up across `jax_ep.finalize()` (see `shutdown`).
+  2. teams      one team per EP group, plus the NVLink-local-index sub teams when R > num_max_nvl_peers (teams.py).
+  3. allocate   one zeroed symmetric buffer per mesh axis (nvshmem_align, sized like the single-process staging);
+                nvshmem_ptr of every rank of this process's group -> jax_ep's external group, so the same kernels
+                as in one process run over these peer pointers (load/store over NVLink, no NVSHMEM device code).
+  4. warmup     one device-side barrier through jax_ep's own kernels on every group.
+
+NVSHMEM is loaded lazily from the separate module jax_ep._jax_ep_nvshmem: `import jax_ep` never loads it, and asking
+for this mode without it gives an EPError that says what is missing. `nvshmem_environment` is the one place that
+decides NVSHMEM_* variables.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import threading
+import time
+
+from . import bootstrap, teams as teams_mod
+from .validation import EPError
+
+log = logging.getLogger("jax_ep")
+
+_MODULE_NAME = f"{__package__}._jax_ep_nvshmem"
+_lock = threading.RLock()
+# NVSHMEM's process-wide state as jax_ep sees it: the heap size fixed at init, whether the exit hook is in place.
+_process: dict = {"module": None, "heap_bytes": None, "exit_hook": False, "exit_timeout_s": 100.0}
+
+# ---------------------------------------------------------------------------------------------------------
+# the module
+# ---------------------------------------------------------------------------------------------------------
+
+
+def module():
+    """jax_ep._jax_ep_nvshmem, imported on first use; EPError saying what is missing when it cannot be."""
+    with _lock:
+        if _process["module"] is not None:
+            return _process["module"]
+        if importlib.util.find_spec(_MODULE_NAME) is None:
+            raise EPError(
+                "jax_ep: one process per GPU with backend='cuda' needs the NVSHMEM module jax_ep._jax_ep_nvshmem, "
+                "which was not built (the build needs a CUDA toolkit and the nvidia-nvshmem-cu13 wheel with "
+                "lib/libnvshmem_host.so.3; see docs/BUILDING.md). Use backend='reference' or one process driving "
+                "all local GPUs")
+        try:
+            _process["module"] = importlib.import_module(_MODULE_NAME)
+        except ImportError as e:
+            raise EPError(f"jax_ep: the NVSHMEM module jax_ep._jax_ep_nvshmem failed to load ({e}); it needs "
+                          f"libnvshmem_host.so.3 of the nvidia-nvshmem-cu13 wheel it was built against "
+                          f"(docs/BUILDING.md)") from None
+        return _process["module"]
+
+
+def availability() -> str:
+    """'available' or why the NVSHMEM module cannot be used (never raises; goes into the setup fingerprint)."""
+    try:
+        module()
+        return "available"
+    except EPError as e:
+        return str(e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# environment: the one place that decides NVSHMEM_* variables
+# ---------------------------------------------------------------------------------------------------------
+HEAP_HEADROOM_BYTES = 256 << 20  # NVSHMEM's own symmetric allocations (team psync arrays, collectives scratch)
+HEAP_MIN_BYTES = 1 << 30  # NVSHMEM's default symmetric size
+HEAP_ROUND_BYTES = 512 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgGtT]?)[bB]?\s*$")
+
+
+def parse_size(text: str) -> int:
+    """NVSHMEM's size syntax: an integer with an optional binary suffix k, m, g or t ('2G', '512M', '1073741824')."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise EPError(f"jax_ep: cannot read NVSHMEM size {text!r} (expected an integer with an optional k/m/g/t "
+                      f"suffix, e.g. '4G')")
+    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
+
+
+def nvshmem_environment(required_heap_bytes: int, environ=None) -> dict:
+    """The NVSHMEM_* variables jax_ep runs NVSHMEM with, decided here and nowhere else (applied before NVSHMEM init).
+
+    - NVSHMEM_DISABLE_NVLS=1, always, whatever was set: NVLink multicast must never be used (SPEC §6).
+    - NVSHMEM_REMOTE_TRANSPORT=none unless set: jax_ep moves data only over NVLink through nvshmem_ptr peer
+      pointers, so a remote (NIC) transport is never needed, and with no NIC its init fails noisily.
+    - NVSHMEM_SYMMETRIC_SIZE: unless set, large enough for jax_ep's buffers plus NVSHMEM's own (at least NVSHMEM's
+      1 GiB default); a user value smaller than what the configs need is an EPError naming both numbers.
+    Every other NVSHMEM variable is left to the user.
+    """
+    environ = os.environ if environ is None else environ
+    need = int(required_heap_bytes) + HEAP_HEADROOM_BYTES
+    env = {"NVSHMEM_DISABLE_NVLS": "1",
+           "NVSHMEM_REMOTE_TRANSPORT": environ.get("NVSHMEM_REMOTE_TRANSPORT") or "none"}
+    user = environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    if user:
+        if parse_size(user) < need:
+            raise EPError(f"jax_ep.initialize: NVSHMEM_SYMMETRIC_SIZE={user} ({parse_size(user)} bytes) is too small: "
+                          f"these configs need {required_heap_bytes} bytes of symmetric buffers plus "
+                          f"{HEAP_HEADROOM_BYTES} for NVSHMEM itself = {need} bytes; raise it or unset it (jax_ep "
+                          f"then sizes the heap)")
+        env["NVSHMEM_SYMMETRIC_SIZE"] = user
+    else:
+        env["NVSHMEM_SYMMETRIC_SIZE"] = str(max(HEAP_MIN_BYTES, -(-need // HEAP_ROUND_BYTES) * HEAP_ROUND_BYTES))
+    return env
+
+
+def _apply_environment(env: dict) -> None:
+    for k, v in env.items():
+        old = os.environ.get(k)
+        if old is not None and old != v:
+            log.warning("jax_ep: %s=%s overridden with %s (NVLink multicast stays off)", k, old, v)
+        os.environ[k] = v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# setup / teardown
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Team:
+    spec: teams_mod.TeamSpec
+    handle: int | None  # NVSHMEM team handle on members, None elsewhere
+    my_rank: int | None  # this PE's rank in the team (members)
+    n_pes: int | None  # nvshmem_team_n_pes as NVSHMEM reports it (members)
+
+    def summary(self) -> dict:
+        s = self.spec
+        return {"kind": s.kind, "axis_name": s.axis_name, "group_index": s.group_index, "nvl_index": s.nvl_index,
+                "num_max_nvl_peers": s.num_max_nvl_peers, "pes": list(s.pes), "ranks": list(s.ranks),
+                "size": s.size, "start": s.start, "stride": s.stride, "member": self.handle is not None,
+                "my_rank": self.my_rank, "n_pes": self.n_pes}
+
+
+@dataclasses.dataclass
+class Transport:
+    """What the NVSHMEM setup of one runtime holds (Runtime.nvshmem)."""
+
+    pe: int
+    n_pes: int
+    device_ordinal: int
+    teams: list  # [Team], in split order
+    buffers: dict  # axis name -> this PE's symmetric buffer address
+    native_ids: dict  # axis name -> jax_ep external group id (this process's group on that axis)
+    buffer_bytes: int
+    heap_bytes: int
+    version: str
+    generation: int
+
+
+def prepare(required_heap_bytes: int) -> dict:
+    """This process's view of the transport plan, for the setup fingerprint (never raises: an error goes in)."""
+    info = {"module": availability(), "required_heap_bytes": int(required_heap_bytes), "error": None}
+    if info["module"] != "available":
+        return info
+    m = module()
+    info["initialized"] = bool(m.initialized())
+    try:
+        if m.initialized():
+            heap = _process["heap_bytes"]
+            if heap is not None and required_heap_bytes + HEAP_HEADROOM_BYTES > heap:
+                raise EPError(f"jax_ep.initialize: these configs need {required_heap_bytes} bytes of symmetric "
+                              f"buffers but NVSHMEM was started with a {heap}-byte heap by an earlier initialize "
+                              f"(fixed for the life of the process); set NVSHMEM_SYMMETRIC_SIZE large enough "
+                              f"before the first jax_ep.initialize")
+        else:
+            info["environment"] = nvshmem_environment(required_heap_bytes)
+    except EPError as e:
+        info["error"] = str(e)
+    return info
+
+
+def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
+          process_id: int, num_processes: int, timeout_s: float, timings: dict) -> Transport:
+    """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
+
+    plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
+    axes: the mesh axes with CUDA configs, in the order buffers are allocated.
+    """
+    from . import _native
+
+    m = module()
+    t = time.perf_counter()
+    if not m.initialized():
+        env = nvshmem_environment(buffer_bytes * len(axes))
+        _apply_environment(env)
+        uid = m.get_unique_id() if process_id == 0 else None
+        uid = bootstrap.broadcast_bytes(generation, "nvshmem_unique_id", uid, process_id, timeout_s)
+        try:
+            m.init(process_id, num_processes, uid, device_ordinal)
+        except RuntimeError as e:
+            raise EPError(f"jax_ep.initialize: NVSHMEM init failed on process {process_id}: {e}") from None
+        _process["heap_bytes"] = parse_size(env["NVSHMEM_SYMMETRIC_SIZE"])
+        _process["exit_timeout_s"] = timeout_s
+        if not _process["exit_hook"]:
+            # Registered after jax.distributed's own exit hook, so it runs first (atexit is LIFO) while the
+            # key-value store that bounds its barrier is still up.
+            atexit.register(_at_exit)
+            _process["exit_hook"] = True
+        timings["bootstrap"] = time.perf_counter() - t
+    elif m.my_pe() != process_id or m.n_pes() != num_processes:
+        raise EPError(f"jax_ep.initialize: NVSHMEM runs as PE {m.my_pe()} of {m.n_pes()} in this process, but the "
+                      f"job now has process {process_id} of {num_processes}")
+    else:
+        timings["bootstrap"] = 0.0  # NVSHMEM already up (an earlier initialize of this process)
+
+    made: list[Team] = []
+    buffers: dict = {}
+    native_ids: dict = {}
+    try:
+        t = time.perf_counter()
+        for spec in plan:
+            handle = m.team_split_strided(spec.start, spec.stride, spec.size)
+            team = Team(spec, handle, None, None)
+            made.append(team)
+            if (handle is not None) != (process_id in spec.pes):
+                raise EPError(f"jax_ep.initialize: NVSHMEM made process {process_id} "
+                              f"{'a member' if handle is not None else 'not a member'} of the team of "
+                              f"{spec.describe()}")
+            if handle is not None:
+                team.my_rank, team.n_pes = m.team_my_pe(handle), m.team_n_pes(handle)
+                if team.n_pes != spec.size or team.my_rank != spec.pes.index(process_id):
+                    raise EPError(f"jax_ep.initialize: NVSHMEM team of {spec.describe()} has {team.n_pes} PEs and "
+                                  f"this process as rank {team.my_rank}; expected {spec.size} and "
+                                  f"{spec.pes.index(process_id)}")
+        timings["teams"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        for axis in axes:
+            buffers[axis] = m.malloc(buffer_bytes)
+            mine = [pes for pes in groups[axis] if process_id in pes]
+            if len(mine) != 1:
+                raise EPError(f"jax_ep.initialize: process {process_id} is in {len(mine)} EP groups of axis "
+                              f"{axis!r}; one process per GPU needs exactly one")
+            pes = mine[0]
+            peers = [m.ptr(buffers[axis], pe) for pe in pes]
+            if not all(peers):
+                raise EPError(f"jax_ep.initialize: NVSHMEM gives no load/store pointer from process {process_id} to "
+                              f"processes {[pe for pe, p in zip(pes, peers) if not p]} of its EP group on axis "
+                              f"{axis!r}: jax_ep's kernels need every rank of a group on NVLink/P2P")
+            native_ids[axis] = _native.module().intranode_register_external_group(
+                device_ordinal, pes.index(process_id), peers, buffer_bytes, -1)
+        timings["allocate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        timeout_ns = int(timeout_s * 1e9)
+        for axis in axes:
+            _native.module().intranode_warmup_group(native_ids[axis], timeout_ns)
+        timings["warmup"] = time.perf_counter() - t
+    except BaseException:
+        # NOTE: a failure above is usually local to this process, so only local state is released here (no NVSHMEM
+        # collective: the other processes may be elsewhere). Teams and buffers already made stay with NVSHMEM, which
+        # releases them when it is finalized at exit.
+        for nid in native_ids.values():
+            try:
+                _native.module().intranode_destroy_group(nid)
+            except Exception:
+                pass
+        raise
+    return Transport(pe=process_id, n_pes=num_processes, device_ordinal=device_ordinal, teams=made,
+                     buffers=buffers, native_ids=native_ids, buffer_bytes=buffer_bytes,
+                     heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation)
+
+
+def teardown(transport: Transport, timeout_s: float) -> None:
+    """Collective: every process meets (bounded, through the key-value store), then the groups are unregistered,
+    the buffers freed and the teams destroyed. NVSHMEM itself stays up for the next initialize (see shutdown)."""
+    from . import _native
+
+    m = module()
+    errors = []
+    for nid in transport.native_ids.values():
+        try:
+            _native.module().intranode_destroy_group(nid)
+        except Exception as e:  # keep going: the collective steps below must run on every process
+            errors.append(f"destroy group {nid}: {e}")
+    transport.native_ids.clear()
+    bootstrap.barrier(transport.generation, "finalize", timeout_s)
+    for axis in list(transport.buffers):
+        m.free(transport.buffers.pop(axis))
+    for team in reversed(transport.teams):
+        if team.handle is not None:
+            m.team_destroy(team.handle)
+            team.handle = None
+    if errors:
+        raise EPError("jax_ep.finalize: " + "; ".join(errors))
+
+
+def shutdown(timeout_s: float | None = None) -> bool:
+    """Finalizes NVSHMEM in this process (collective; at interpreter exit). Returns whether it ran.
+
+    NOTE: jax_ep.finalize() keeps NVSHMEM up on purpose: NVSHMEM 3.x keeps its bootstrap state across
+    nvshmem_finalize, so initializing it again in the same process is not a supported path. It is finalized once,
+    at interpreter exit, after a bounded key-value-store barrier: if some process does not arrive (it failed, or
+    exited without running its exit hooks), this process skips the NVSHMEM collective instead of hanging.
+    """
+    m = _process["module"]
+    if m is None or not m.initialized():
+        return False
+    timeout_s = _process["exit_timeout_s"] if timeout_s is None else timeout_s
+    try:
+        bootstrap.barrier(-1, "nvshmem_finalize", timeout_s)
+    except EPError as e:
+        log.warning("jax_ep: NVSHMEM not finalized at exit (%s)", e)
+        return False
+    m.finalize()
+    return True
+
+
+def _at_exit() -> None:
+    from . import runtime
+
+    try:
+        runtime.finalize()
+    except Exception as e:  # noqa: BLE001 - never raise from an exit hook
+        log.warning("jax_ep: finalize at exit failed: %s", e)
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.warning("jax_ep: NVSHMEM shutdown at exit failed: %s", e)

@@ -1,0 +1,115 @@
+"""Team planning for the one-process-per-GPU model (pure Python, no NVSHMEM, no devices).
+
+World PE p = jax process p (one GPU per process). Every EP group of a mesh axis becomes one NVSHMEM team made by
+`nvshmem_team_split_strided` over the world, so its PEs must be evenly strided in rank order. When a group has more
+ranks than `num_max_nvl_peers` (R > nvl), each rank also gets DeepEP's "RDMA team": the ranks of its group with the
+same NVLink-local index, r' % nvl == r % nvl (stride nvl in rank order). On 4 GPUs with nvl = 2 that makes two
+"nodes" {0, 1} and {2, 3}, and the sub teams {0, 2} and {1, 3}.
+
+`plan_teams` lists every split in one deterministic order; every process calls the splits in that order (each is
+collective over the world, members or not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .validation import EPError
+
+# Teams NVSHMEM makes for itself at init (world, shared, node, same-mype-node, same-gpu, gpu-leaders, ...) count
+# against NVSHMEM_MAX_TEAMS too; running out is fatal inside NVSHMEM, so plans keep this margin.
+NVSHMEM_RESERVED_TEAMS = 8
+NVSHMEM_DEFAULT_MAX_TEAMS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamSpec:
+    """One team split: world PEs start, start + stride, ..., in team rank order."""
+
+    kind: str  # "group" (one EP group) or "nvl" (ranks of a group with one NVLink-local index)
+    axis_name: str
+    group_index: int  # which EP group of the axis (row of the other mesh axes, in mesh order)
+    nvl_index: int | None  # "nvl" teams: the NVLink-local index j (members: group ranks r with r % nvl == j)
+    num_max_nvl_peers: int | None  # "nvl" teams: the nvl value it was made for
+    pes: tuple[int, ...]  # world PEs in team rank order
+    ranks: tuple[int, ...]  # the members' ranks in their EP group
+
+    @property
+    def start(self) -> int:
+        return self.pes[0]
+
+    @property
+    def stride(self) -> int:
+        return self.pes[1] - self.pes[0] if len(self.pes) > 1 else 1
+
+    @property
+    def size(self) -> int:
+        return len(self.pes)
+
+    def describe(self) -> str:
+        what = (f"EP group {self.group_index} of axis {self.axis_name!r}" if self.kind == "group" else
+                f"NVLink-local index {self.nvl_index} (num_max_nvl_peers={self.num_max_nvl_peers}) of EP group "
+                f"{self.group_index} of axis {self.axis_name!r}")
+        return f"{what}: PEs {list(self.pes)} (start {self.start}, stride {self.stride}, size {self.size})"
+
+
+def strided(pes, what: str) -> None:
+    """Raises EPError unless `pes` are distinct, ascending and evenly spaced (a strided NVSHMEM team)."""
+    pes = tuple(int(p) for p in pes)
+    if not pes:
+        raise EPError(f"jax_ep.initialize: {what} has no PEs")
+    if len(pes) == 1:
+        return
+    stride = pes[1] - pes[0]
+    if stride < 1 or any(b - a != stride for a, b in zip(pes, pes[1:])):
+        raise EPError(
+            f"jax_ep.initialize: {what} spans processes {list(pes)} in rank order; one process per GPU needs them "
+            f"ascending and evenly strided (an NVSHMEM strided team), e.g. build the mesh from "
+            f"jax.devices() sorted by process_index")
+
+
+def nvl_members(num_ranks: int, num_max_nvl_peers: int) -> list[tuple[int, ...]]:
+    """Rank lists of the NVLink-local-index sub teams of one group ([] when R <= nvl: no sub team)."""
+    if num_ranks <= num_max_nvl_peers:
+        return []
+    return [tuple(range(j, num_ranks, num_max_nvl_peers)) for j in range(num_max_nvl_peers)]
+
+
+def plan_teams(groups: dict, nvl_values: dict) -> list[TeamSpec]:
+    """Every team split of a runtime, in the order all processes make them.
+
+    groups: axis name -> list of EP groups, each a tuple of world PEs in rank order.
+    nvl_values: axis name -> iterable of num_max_nvl_peers values used by the CUDA configs of that axis.
+    """
+    plan: list[TeamSpec] = []
+    for axis in sorted(groups):
+        nvls = sorted({int(v) for v in nvl_values.get(axis, ())})
+        for gi, pes in enumerate(groups[axis]):
+            pes = tuple(int(p) for p in pes)
+            strided(pes, f"EP group {gi} of axis {axis!r}")
+            plan.append(TeamSpec("group", axis, gi, None, None, pes, tuple(range(len(pes)))))
+            for nvl in nvls:
+                for j, ranks in enumerate(nvl_members(len(pes), nvl)):
+                    plan.append(TeamSpec("nvl", axis, gi, j, nvl, tuple(pes[r] for r in ranks), ranks))
+    return plan
+
+
+def check_team_budget(plan, environ=None) -> None:
+    """Raises EPError when the plan needs more teams than NVSHMEM_MAX_TEAMS allows (same answer on every process)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("NVSHMEM_MAX_TEAMS", "")
+    try:
+        limit = int(raw) if raw else NVSHMEM_DEFAULT_MAX_TEAMS
+    except ValueError:
+        raise EPError(f"jax_ep.initialize: NVSHMEM_MAX_TEAMS={raw!r} is not an integer") from None
+    if len(plan) + NVSHMEM_RESERVED_TEAMS > limit:
+        raise EPError(f"jax_ep.initialize: the mesh and configs need {len(plan)} NVSHMEM teams; with "
+                      f"NVSHMEM_MAX_TEAMS={limit} (about {NVSHMEM_RESERVED_TEAMS} taken by NVSHMEM itself) at most "
+                      f"{limit - NVSHMEM_RESERVED_TEAMS} fit. Set NVSHMEM_MAX_TEAMS >= "
+                      f"{len(plan) + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize")
+
+
+def my_teams(plan, pe: int) -> list[tuple[TeamSpec, int]]:
+    """(spec, this PE's rank in the team) for the teams `pe` is a member of."""
+    return [(spec, spec.pes.index(pe)) for spec in plan if pe in spec.pes]

@@ -1,0 +1,120 @@
+"""One process per GPU with the CUDA backend (NVSHMEM teams and symmetric buffers), on the GPU machine.
+
+Runs tests/gpu/multiprocess/ep_cuda.py under `python -m jax_ep.launch -n 4` and `-n 2` and, for comparison, as
+one process driving the same GPUs: normal-mode dispatch (bf16, fp8), combine and gradients against the reference
+backend in the same processes; team membership and sizes for several (R, num_max_nvl_peers); finalize + initialize
+again; a config mismatch between processes ending in an error that names it; and bit-identical outputs in both
+process models. Skips (saying why) where there are not enough GPUs, or the native / NVSHMEM modules are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ep_cuda.py")
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _require(n):
+    from jax_ep import _native, nvshmem_runtime
+
+    if not _native.available():
+        pytest.skip(f"native extension not built: {_native.load_error()}")
+    status = nvshmem_runtime.availability()
+    if status != "available":
+        pytest.skip(status)
+    if _gpu_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs, found {_gpu_count()}")
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the CPU suite's forced host devices
+    env.pop("JAX_PLATFORMS", None)
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run(cmd, timeout=240):
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    dt = time.monotonic() - t0
+    print(f"$ {' '.join(cmd[2:])}  ({dt:.1f} s, exit {p.returncode})")
+    for line in p.stdout.splitlines():
+        if "RESULT" in line:
+            print("   ", line[:400])
+    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout ---\n{p.stdout[-6000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
+    # the exit hook (jax_ep runtime teardown, then nvshmem finalize after a bounded barrier) ran cleanly everywhere
+    for bad in ("NVSHMEM not finalized at exit", "finalize at exit failed", "shutdown at exit failed"):
+        assert bad not in p.stderr, f"{bad!r} in stderr:\n{p.stderr[-6000:]}"
+    return p.stdout
+
+
+def _launch(n, *args, timeout=240):
+    return _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--timeout", str(timeout - 20), SCRIPT,
+                 *args], timeout=timeout)
+
+
+def _single(*args, timeout=240):
+    return _run([sys.executable, SCRIPT, *args], timeout=timeout)
+
+
+def _lines(out, tag):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(rf"^\[rank (\d+)\] RESULT {tag} process=\d+ (.*)$",
+                                                              out, re.M)}
+
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
+    _require(n)
+    multi, single = str(tmp_path / "multi.npz"), str(tmp_path / "single.npz")
+    out = _launch(n, "--out", multi, "--nvl", "2" if n == 4 else "1", "--mismatch")
+    for tag in ("runtime", "teams", "correctness", "reinitialize", "mismatch", "after_mismatch", "done"):
+        assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
+    for line in _lines(out, "runtime").values():
+        assert "model=multi-process transport=nvshmem" in line, line
+    for line in _lines(out, "mismatch").values():
+        assert float(re.search(r"seconds=([\d.]+)", line).group(1)) < 10, line
+        assert "configs[0].hidden" in line or "configs[1].hidden" in line, line
+    out1 = _single("--ranks", str(n), "--out", single)
+    assert "model=single-process transport=cuda-peer" in out1
+    a, b = dict(np.load(multi)), dict(np.load(single))
+    assert sorted(a) == sorted(b) and len(a) >= 15, sorted(a)
+    for k in sorted(a):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: one process per GPU != one process, {n} GPUs")
+
+
+@pytest.mark.parametrize("n,dp,nvl,want_sizes,exit_hook", [
+    (4, 1, 8, [4], False),              # R = 4 fits one NVLink domain: no sub team
+    (4, 1, 2, [4, 2, 2], False),        # two "nodes" of two: sub teams {0, 2} and {1, 3}
+    (4, 1, 1, [4, 4], True),            # one GPU per "node": the sub team is the whole group
+    (4, 2, 1, [2, 2, 2, 2], False),     # (dp=2, ep=2): two groups, each with its sub team
+    (2, 1, 1, [2, 2], True),
+])
+def test_team_membership_and_sizes(n, dp, nvl, want_sizes, exit_hook):
+    """exit_hook: the program does not call finalize; the exit hook tears down and finalizes NVSHMEM (no hang)."""
+    _require(n)
+    out = _launch(n, "--teams-only", "--dp", str(dp), "--nvl", str(nvl), *(["--no-finalize"] if exit_hook else []),
+                  timeout=120)
+    teams = _lines(out, "teams")
+    assert sorted(teams) == list(range(n)), out
+    for r, line in teams.items():
+        sizes = [int(s) for s in re.search(r"sizes=\[([\d, ]*)\]", line).group(1).split(",")]
+        assert sizes == want_sizes, line
