@@ -118,3 +118,48 @@ def combine(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_co
     types = (result_type(values, (T, values.shape[1]), values.dtype),
              result_type(values, (T, weights.shape[1]), jnp.float32))
     return _call("jax_ep_combine_v1", types, *ops, **attrs)
+
+
+# ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------
+def ll_attrs(*, group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset, ll_bytes):
+    """The attributes every low-latency target decodes (exact widths: see xla_ffi/low_latency.cc)."""
+    return dict(group_id=np.int64(group_id), num_experts=np.int32(num_experts), hidden=np.int32(hidden),
+                num_topk=np.int32(num_topk), max_tokens_per_rank=np.int32(max_tokens_per_rank),
+                timeout_ns=np.int64(timeout_ns), ll_offset=np.int64(ll_offset), ll_bytes=np.int64(ll_bytes))
+
+
+def ll_dispatch_send(x, topk_idx, *, use_fp8: bool, attrs):
+    """jax_ep_ll_dispatch_send_v1 -> token [2] i32 (epoch, T): the receive half's input."""
+    x, topk_idx = match_varying(x, topk_idx)
+    return _call("jax_ep_ll_dispatch_send_v1", result_type(x, (2,), jnp.int32), x, topk_idx,
+                 use_fp8=np.int32(use_fp8), **attrs)
+
+
+def ll_dispatch_recv(token, *, num_ranks, num_local_experts, use_fp8: bool, attrs):
+    """jax_ep_ll_dispatch_recv_v1 -> (recv_x, recv_x_scales [L, rows, S], recv_count, src_info, layout_range)."""
+    L, R = num_local_experts, num_ranks
+    H = int(attrs["hidden"])
+    rows = R * int(attrs["max_tokens_per_rank"])
+    S = H // 128 if use_fp8 else 0
+    types = (
+        result_type(token, (L, rows, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
+        result_type(token, (L, rows, S), jnp.float32),
+        result_type(token, (L,), jnp.int32),
+        result_type(token, (L, rows), jnp.int32),
+        result_type(token, (L, R), jnp.int32),
+    )
+    return _call("jax_ep_ll_dispatch_recv_v1", types, token, use_fp8=np.int32(use_fp8), **attrs)
+
+
+def ll_combine_send(expert_out, src_info, layout_range, *, attrs):
+    """jax_ep_ll_combine_send_v1 -> token [2] i32."""
+    ops = match_varying(expert_out, src_info, layout_range)
+    return _call("jax_ep_ll_combine_send_v1", result_type(ops[0], (2,), jnp.int32), *ops, **attrs)
+
+
+def ll_combine_recv(token, topk_idx, topk_weights, *, attrs):
+    """jax_ep_ll_combine_recv_v1 -> y [T, H] bf16."""
+    token, topk_idx, topk_weights = match_varying(token, topk_idx, topk_weights)
+    T, H = topk_idx.shape[0], int(attrs["hidden"])
+    return _call("jax_ep_ll_combine_recv_v1", result_type(token, (T, H), jnp.bfloat16), token, topk_idx,
+                 topk_weights, **attrs)

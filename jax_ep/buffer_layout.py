@@ -54,3 +54,29 @@ def normal_buffer_bytes(hidden: int, num_topk: int, max_tokens_per_rank: int, nu
     total += _align(rows * 4 * num_topk)      # topk weights
     total += _align(rows * 4)                 # src token index
     return total
+
+
+# ---- low-latency region (cuda/include/jax_ep/low_latency.h) ---------------------------------------------------
+# region = [scratch u32[1024] | half 0 | half 1]; LL op n uses half n % 2. One half:
+#   c_flags u32[E] | d_flags u32[E] | d_counts i32[E] | rows, each of the first three aligned to 256 bytes;
+#   rows = max(dispatch messages [E * T_max] x msg_stride, combine rows [E * T_max] x 2H).
+LOW_LATENCY_SCRATCH_BYTES = 4 * 1024
+LOW_LATENCY_MSG_HEADER = 16
+
+
+def low_latency_msg_stride(hidden: int) -> int:
+    """Bytes of one dispatch message: 16-byte header, bf16 payload (the larger format), fp8 scales."""
+    scale_cols = (hidden + FP8_BLOCK - 1) // FP8_BLOCK
+    return _align(LOW_LATENCY_MSG_HEADER + 2 * hidden + 4 * scale_cols, 16)
+
+
+def low_latency_buffer_bytes(hidden: int, max_tokens_per_rank: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of the low-latency region one rank allocates (same formula as the C++ side)."""
+    for name, v in (("hidden", hidden), ("max_tokens_per_rank", max_tokens_per_rank), ("num_ranks", num_ranks),
+                    ("num_experts", num_experts)):
+        if int(v) <= 0:
+            raise ValueError(f"low_latency_buffer_bytes: {name} must be positive, got {v}")
+    flags = 3 * _align(4 * num_experts)
+    slots = num_experts * max_tokens_per_rank
+    rows = max(slots * low_latency_msg_stride(hidden), slots * 2 * hidden)
+    return LOW_LATENCY_SCRATCH_BYTES + 2 * _align(flags + rows)

@@ -10,6 +10,8 @@ BACKENDS = ("auto", "cuda", "reference")
 # config is validated the same way everywhere so a program that runs on CPU also runs on the GPUs.
 MAX_TOPK = 16
 FP8_BLOCK = 128  # channels per fp8 scale
+# low_latency_buffers=None allocates the low-latency buffers only for decode-sized configs (T_max up to this).
+LOW_LATENCY_AUTO_MAX_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,9 @@ class EPConfig:
       backend: "cuda", "reference" or "auto".
       num_sms: SMs the CUDA kernels may occupy (like DeepEP's Buffer.num_sms), leaving the rest for compute.
       timeout_seconds: a device wait for a peer gives up (with an error) after about this long.
+      low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
+        DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
+        hold R * T_max rows per local expert, too much for prefill-sized T_max.
     """
 
     num_experts: int
@@ -39,6 +44,7 @@ class EPConfig:
     backend: str = "auto"
     num_sms: int = 24
     timeout_seconds: float = 100.0
+    low_latency_buffers: bool | None = None
 
     def __post_init__(self):
         def positive_int(name):
@@ -59,6 +65,9 @@ class EPConfig:
             raise ValueError(f"EPConfig.axis_name must be a non-empty str, got {self.axis_name!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.low_latency_buffers not in (None, True, False):
+            raise ValueError(f"EPConfig.low_latency_buffers must be None, True or False, got "
+                             f"{self.low_latency_buffers!r}")
         if not self.timeout_seconds > 0:
             raise ValueError(f"EPConfig.timeout_seconds must be > 0, got {self.timeout_seconds!r}")
 
@@ -78,6 +87,12 @@ class EPConfig:
         if self.recv_capacity is None:
             return num_ranks * self.max_tokens_per_rank
         return self.recv_capacity
+
+    def uses_low_latency_buffers(self) -> bool:
+        """Whether the CUDA backend allocates low-latency buffers for this config (see low_latency_buffers)."""
+        if self.low_latency_buffers is None:
+            return self.max_tokens_per_rank <= LOW_LATENCY_AUTO_MAX_TOKENS
+        return self.low_latency_buffers
 
     def low_latency_rows(self, num_ranks: int) -> int:
         """Rows per local expert in low-latency mode (R * T_max)."""

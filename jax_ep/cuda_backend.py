@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import _ffi
+from . import _ffi, reference
 from .config import EPConfig
-from .handle import DispatchHandle, DispatchLayout, DispatchOutput
+from .handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput,
+                     LowLatencyHandle)
+from .validation import EPError
 
+BF16 = jnp.bfloat16
 F32 = jnp.float32
+I32 = jnp.int32
 FP8 = jnp.float8_e4m3fn
 
 
@@ -60,3 +64,68 @@ def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: i
     w = weights.astype(F32) if weights is not None else _none_like(values)
     y, y_w = _ffi.combine(values, w, *handle, attrs=_attrs(cfg))
     return y, (y_w if weights is not None else None)
+
+
+# ---- low-latency mode ---------------------------------------------------------------------------------------------
+def low_latency_region(cfg: EPConfig) -> tuple[int, int]:
+    """(byte offset, bytes) of the low-latency region in every rank's staging buffer, as the runtime planned it."""
+    from . import runtime
+
+    rt = runtime.runtime_for(cfg)
+    if rt.low_latency_bytes <= 0:
+        raise EPError(f"jax_ep: the runtime has no low-latency buffers for {cfg} (EPConfig.low_latency_buffers)")
+    return rt.low_latency_offset, rt.low_latency_bytes
+
+
+def _ll_attrs(cfg: EPConfig):
+    from . import runtime
+
+    offset, nbytes = low_latency_region(cfg)
+    return _ffi.ll_attrs(
+        group_id=runtime.group_id_for(cfg), num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk,
+        max_tokens_per_rank=cfg.max_tokens_per_rank, timeout_ns=int(cfg.timeout_seconds * 1e9), ll_offset=offset,
+        ll_bytes=nbytes)
+
+
+def ll_dispatch_send(x, topk_idx, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    """-> pending buffers (dtype marker, token): ops reads use_fp8 back from the marker's dtype."""
+    token = _ffi.ll_dispatch_send(x, topk_idx.astype(I32), use_fp8=use_fp8, attrs=_ll_attrs(cfg))
+    return jnp.zeros((1,), FP8 if use_fp8 else BF16), token
+
+
+def ll_dispatch_recv(pending, cfg: EPConfig, num_ranks: int, use_fp8: bool) -> LowLatencyDispatchOutput:
+    token = pending[1]
+    recv_x, scales, count, src_info, layout_range = _ffi.ll_dispatch_recv(
+        token, num_ranks=num_ranks, num_local_experts=cfg.num_local_experts(num_ranks), use_fp8=use_fp8,
+        attrs=_ll_attrs(cfg))
+    return LowLatencyDispatchOutput(recv_x=recv_x, recv_x_scales=scales if use_fp8 else None, recv_count=count,
+                                    handle=LowLatencyHandle(src_info=src_info, layout_range=layout_range))
+
+
+def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+    token = _ffi.ll_combine_send(expert_out, handle.src_info, handle.layout_range, attrs=_ll_attrs(cfg))
+    return token, topk_idx.astype(I32), topk_weights.astype(F32)
+
+
+def ll_combine_recv(pending, cfg: EPConfig, num_ranks: int):
+    token, topk_idx, topk_weights = pending
+    return _ffi.ll_combine_recv(token, topk_idx, topk_weights, attrs=_ll_attrs(cfg))
+
+
+def ll_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+    """d x of bf16 LL dispatch = an LL combine of the row cotangents with weight 1 on the first k naming each
+    distinct expert (a token sent once to an expert gets that row's cotangent once)."""
+    idx = reference.sanitize_topk(topk_idx, cfg.num_experts)
+    K = idx.shape[1]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # earlier[k, j]: j < k
+    repeated = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier[None], axis=2)
+    weights = ((idx >= 0) & ~repeated).astype(F32)
+    pending = ll_combine_send(cot_rows.astype(BF16), idx, weights, handle, cfg, num_ranks)
+    return ll_combine_recv(pending, cfg, num_ranks)
+
+
+def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
+                         num_ranks: int):
+    """(d expert_out, d topk_weights) of LL combine. NOTE: moves data with the reference backend's XLA collectives
+    (no dedicated kernel yet); results are the reference's exactly."""
+    return reference.ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle, cfg, num_ranks)

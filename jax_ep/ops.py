@@ -37,6 +37,14 @@ def _backend(cfg: EPConfig, fn: str):
         return reference
     runtime.runtime_for(cfg)  # the CUDA backend needs its buffers: prewarm at trace time if not done yet
     module = importlib.import_module(".cuda_backend", __package__)
+    if fn.startswith("ll_") and not cfg.uses_low_latency_buffers():
+        if cfg.backend == "auto":
+            runtime._log_once(("no-ll-buffers", cfg), "jax_ep: %s has no low-latency buffers (max_tokens_per_rank > "
+                              "256 and low_latency_buffers=None); low-latency ops use the reference backend", cfg)
+            return reference
+        raise EPError(f"jax_ep: {fn}: EPConfig(low_latency_buffers=...) is off for this config (max_tokens_per_rank "
+                      f"= {cfg.max_tokens_per_rank} > 256 turns it off by default); pass low_latency_buffers=True "
+                      f"to run the low-latency ops on the CUDA backend")
     if hasattr(module, fn):
         return module
     if cfg.backend == "auto":
@@ -144,6 +152,35 @@ def _combine_vjp(cfg: EPConfig, num_ranks: int, with_weights: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # Low-latency mode
 # ----------------------------------------------------------------------------------------------------------------
+# Program order of the low-latency ops. On the CUDA backend all LL ops of a runtime share one device epoch counter
+# and two buffer halves (cuda/include/jax_ep/low_latency.h): every rank must run them in the same order, and a send
+# must never be queued before the receive of the op two epochs back. XLA is free to reorder independent custom
+# calls (it ran two independent dispatch -> combine chains as send a, send b, recv b, send b' and deadlocked), so
+# each public LL op's inputs take the previous LL op's output (same trace) through an optimization_barrier: the
+# ops run in the order the program called them. A send and its receive stay apart (send a, send b, recv a, recv b
+# keeps its order), so the split phases still overlap with other work.
+_ll_order: dict = {"trace": None, "last": None}
+
+
+def _current_trace():
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+def _after_previous_ll_op(*operands):
+    """operands, made to depend on the last LL op's output traced in the current trace (if any)."""
+    last = _ll_order["last"] if _ll_order["trace"] is _current_trace() else None
+    if last is None:
+        return operands
+    *operands, _ = jax.lax.optimization_barrier((*operands, last))
+    return tuple(operands)
+
+
+def _record_ll_op(output):
+    _ll_order["trace"], _ll_order["last"] = _current_trace(), output
+
+
 def _check_ll_dispatch(op, x, topk_idx, cfg, use_fp8):
     _check_config(op, cfg)
     num_ranks = group_size(cfg, op)
@@ -160,9 +197,13 @@ def _check_ll_dispatch(op, x, topk_idx, cfg, use_fp8):
 def low_latency_dispatch(x, topk_idx, cfg: EPConfig, use_fp8: bool = True) -> LowLatencyDispatchOutput:
     """One copy per (token, expert) into per-expert rows [L, R*T_max, H] (SPEC §4)."""
     num_ranks = _check_ll_dispatch("low_latency_dispatch", x, topk_idx, cfg, use_fp8)
+    x, topk_idx = _after_previous_ll_op(x, topk_idx)
     if use_fp8:  # fp8 outputs are not differentiable
-        return _ll_dispatch_fused(x, topk_idx, cfg, num_ranks, True)
-    return _ll_dispatch_vjp(cfg, num_ranks)(x, topk_idx)
+        out = _ll_dispatch_fused(x, topk_idx, cfg, num_ranks, True)
+    else:
+        out = _ll_dispatch_vjp(cfg, num_ranks)(x, topk_idx)
+    _record_ll_op(out.recv_count)
+    return out
 
 
 def _ll_dispatch_fused(x, topk_idx, cfg, num_ranks, use_fp8):
@@ -194,7 +235,9 @@ def _ll_dispatch_vjp(cfg: EPConfig, num_ranks: int):
 def low_latency_dispatch_send(x, topk_idx, cfg: EPConfig, use_fp8: bool = True) -> LowLatencyDispatchPending:
     """First half of low_latency_dispatch: starts the exchange; finish with low_latency_dispatch_recv."""
     num_ranks = _check_ll_dispatch("low_latency_dispatch_send", x, topk_idx, cfg, use_fp8)
+    x, topk_idx = _after_previous_ll_op(x, topk_idx)
     buffers = _backend(cfg, "ll_dispatch_send").ll_dispatch_send(x, topk_idx, cfg, num_ranks, use_fp8)
+    _record_ll_op(buffers[-1])
     return LowLatencyDispatchPending(buffers=tuple(buffers))
 
 
@@ -206,7 +249,10 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending, cfg: EPConfig)
         raise EPError(f"jax_ep.{op}: pending must be the LowLatencyDispatchPending returned by "
                       f"low_latency_dispatch_send, got {type(pending).__name__}")
     use_fp8 = pending.buffers[0].dtype == jnp.float8_e4m3fn
-    return _backend(cfg, "ll_dispatch_recv").ll_dispatch_recv(pending.buffers, cfg, num_ranks, use_fp8)
+    buffers = _after_previous_ll_op(*pending.buffers)
+    out = _backend(cfg, "ll_dispatch_recv").ll_dispatch_recv(buffers, cfg, num_ranks, use_fp8)
+    _record_ll_op(out.recv_count)
+    return out
 
 
 def _check_ll_combine(op, expert_out, topk_idx, topk_weights, handle, cfg):
@@ -224,7 +270,10 @@ def _check_ll_combine(op, expert_out, topk_idx, topk_weights, handle, cfg):
 def low_latency_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig):
     """y[t] = sum_k topk_weights[t, k] * expert_out at (t, k)'s row; f32 accumulation, bf16 out (SPEC §4)."""
     num_ranks = _check_ll_combine("low_latency_combine", expert_out, topk_idx, topk_weights, handle, cfg)
-    return _ll_combine_vjp(cfg, num_ranks)(expert_out, topk_weights, topk_idx, handle)
+    expert_out, topk_weights, topk_idx = _after_previous_ll_op(expert_out, topk_weights, topk_idx)
+    y = _ll_combine_vjp(cfg, num_ranks)(expert_out, topk_weights, topk_idx, handle)
+    _record_ll_op(y)
+    return y
 
 
 def _ll_combine_fused(expert_out, topk_idx, topk_weights, handle, cfg, num_ranks):
@@ -256,8 +305,10 @@ def low_latency_combine_send(expert_out, topk_idx, topk_weights, handle: LowLate
                              cfg: EPConfig) -> LowLatencyCombinePending:
     """First half of low_latency_combine: sends expert rows back; finish with low_latency_combine_recv."""
     num_ranks = _check_ll_combine("low_latency_combine_send", expert_out, topk_idx, topk_weights, handle, cfg)
+    expert_out, topk_idx, topk_weights = _after_previous_ll_op(expert_out, topk_idx, topk_weights)
     buffers = _backend(cfg, "ll_combine_send").ll_combine_send(expert_out, topk_idx, topk_weights, handle, cfg,
                                                                num_ranks)
+    _record_ll_op(buffers[0])
     return LowLatencyCombinePending(buffers=tuple(buffers))
 
 
@@ -268,4 +319,7 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending, cfg: EPConfig):
     if not isinstance(pending, LowLatencyCombinePending):
         raise EPError(f"jax_ep.{op}: pending must be the LowLatencyCombinePending returned by "
                       f"low_latency_combine_send, got {type(pending).__name__}")
-    return _backend(cfg, "ll_combine_recv").ll_combine_recv(pending.buffers, cfg, num_ranks)
+    buffers = _after_previous_ll_op(*pending.buffers)
+    y = _backend(cfg, "ll_combine_recv").ll_combine_recv(buffers, cfg, num_ranks)
+    _record_ll_op(y)
+    return y

@@ -113,3 +113,26 @@ def test_buffer_formula_matches_native():
     for args in [(7168, 8, 4096, 4, 16384, 256), (2048, 1, 1, 2, 2, 8), (128, 16, 17, 8, 5, 64),
                  (4096, 4, 100, 2, 1000, 32)]:
         assert m.normal_buffer_bytes(*args) == buffer_layout.normal_buffer_bytes(*args), args
+
+
+def test_low_latency_buffer_formula_matches_native():
+    m = _native.module()
+    assert hasattr(m, "low_latency_buffer_bytes"), "the extension must export low_latency_buffer_bytes (stale build?)"
+    for args in [(7168, 128, 4, 288), (2048, 1, 2, 8), (7168, 64, 8, 256), (136, 3, 2, 6), (4096, 256, 8, 1024)]:
+        assert m.low_latency_buffer_bytes(*args) == buffer_layout.low_latency_buffer_bytes(*args), args
+
+
+def test_low_latency_region_follows_the_largest_normal_region():
+    """The runtime's staging plan: [largest normal layout | largest low-latency region], LL only where enabled."""
+    from jax_ep import EPConfig, runtime
+
+    ll = EPConfig(288, 7168, 8, 128)
+    normal = EPConfig(256, 7168, 8, 4096)  # T_max > 256: no low-latency buffers by default
+    assert ll.uses_low_latency_buffers() and not normal.uses_low_latency_buffers()
+    assert EPConfig(256, 7168, 8, 4096, low_latency_buffers=True).uses_low_latency_buffers()
+    total, offset, ll_bytes = runtime.staging_plan([ll, normal], lambda c: 4)
+    want_normal = max(runtime.buffer_size_hint(c, 4).normal_bytes for c in (ll, normal))
+    assert offset == want_normal
+    assert ll_bytes == buffer_layout.low_latency_buffer_bytes(7168, 128, 4, 288)
+    assert total == offset + ll_bytes
+    assert runtime.buffer_size_hint(normal, 4).low_latency_bytes == 0

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "checks.h"
 #include "errors.h"
 #include "jax_ep/api.h"
 #include "jax_ep/buffer_layout.h"
@@ -28,8 +29,10 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
+using ffi_util::ensure_device;
 using ffi_util::Guarded;
 using ffi_util::Invalid;
+using ffi_util::shape_str;
 using ffi_util::ToFfi;
 using namespace ffi_types;  // NOLINT
 
@@ -38,40 +41,6 @@ struct CommonAttrs {
   int32_t num_experts, hidden, num_topk, max_tokens_per_rank, num_sms;
   int64_t timeout_ns;
 };
-
-std::string shape_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (dims[i++] != w) return false;
-  return true;
-}
-
-#define JAX_EP_CHECK_SHAPE(target, name, buf, ...)                                                   \
-  do {                                                                                               \
-    if (!dims_are((buf).dimensions(), {__VA_ARGS__}))                                                \
-      return Invalid(target, std::string(name) + " has shape " + shape_str((buf).dimensions()) +     \
-                                 ", expected [" #__VA_ARGS__ "]");                                   \
-  } while (0)
-
-#define JAX_EP_CHECK(target, cond, msg)            \
-  do {                                             \
-    if (!(cond)) return Invalid(target, (msg));    \
-  } while (0)
-
-// Set the calling thread's device to the handler's (kernel launches go to XLA's stream of that device).
-Status ensure_device(int ordinal) {
-  int cur = -1;
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&cur));
-  if (cur != ordinal) JAX_EP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
-  return Status::Ok();
-}
 
 // Group lookup + config checks shared by the three targets. capacity = C of this call.
 ffi::Error make_group_ctx(const char* target, int32_t ordinal, const CommonAttrs& a, int64_t capacity,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "jax_ep/buffer_layout.h"
+#include "jax_ep/low_latency.h"
 #include "jax_ep/peer_group.h"
 #include "registry.h"
 #include "xla/ffi/api/c_api.h"
@@ -40,6 +41,10 @@ const std::vector<Target>& Targets() {
       {"jax_ep_dispatch_v1", "CUDA", JaxEpDispatchCudaV1},
       {"jax_ep_cached_dispatch_v1", "CUDA", JaxEpCachedDispatchCudaV1},
       {"jax_ep_combine_v1", "CUDA", JaxEpCombineCudaV1},
+      {"jax_ep_ll_dispatch_send_v1", "CUDA", JaxEpLowLatencyDispatchSendCudaV1},
+      {"jax_ep_ll_dispatch_recv_v1", "CUDA", JaxEpLowLatencyDispatchRecvCudaV1},
+      {"jax_ep_ll_combine_send_v1", "CUDA", JaxEpLowLatencyCombineSendCudaV1},
+      {"jax_ep_ll_combine_recv_v1", "CUDA", JaxEpLowLatencyCombineRecvCudaV1},
   };
   return targets;
 }
@@ -72,6 +77,10 @@ NB_MODULE(_jax_ep_native, m) {
   m.def("normal_buffer_bytes", &jax_ep::normal_buffer_bytes, nb::arg("hidden"), nb::arg("num_topk"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("capacity"), nb::arg("num_experts"),
         "staging bytes per rank for a normal-mode config (jax_ep/buffer_layout.py mirrors this formula)");
+
+  m.def("low_latency_buffer_bytes", &jax_ep::low_latency_buffer_bytes, nb::arg("hidden"),
+        nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("num_experts"),
+        "bytes of the low-latency region per rank for a config (jax_ep/buffer_layout.py mirrors this formula)");
 
   // ---- intranode groups (one process, CUDA peer access) ----
   m.def(

@@ -11,6 +11,7 @@ using S32Scalar = ffi::Buffer<ffi::S32, 0>;
 using S32Vec = ffi::Buffer<ffi::S32, 1>;
 using S32Mat = ffi::Buffer<ffi::S32, 2>;
 using F32Mat = ffi::Buffer<ffi::F32, 2>;
+using F32Cube = ffi::Buffer<ffi::F32, 3>;
 using PredMat = ffi::Buffer<ffi::PRED, 2>;
 using AnyBuf = ffi::AnyBuffer;
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common/layout.cuh"
+#include "common/preload.cuh"
 #include "common/ptx.cuh"
 #include "jax_ep/api.h"
 #include "transport/peer.cuh"
@@ -463,6 +464,14 @@ Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, 
 }
 
 }  // namespace
+
+Status preload_intranode_kernels() {
+  return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
+                  reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
+                  reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(combine_send_kernel),
+                  reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>),
+                  reinterpret_cast<const void*>(combine_reduce_kernel<float>)});
+}
 
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(g);

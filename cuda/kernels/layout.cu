@@ -1,5 +1,6 @@
 // Standalone layout kernel (FFI target jax_ep_layout_v1 on CUDA).
 #include "common/layout.cuh"
+#include "common/preload.cuh"
 #include "jax_ep/api.h"
 
 namespace jax_ep {
@@ -15,6 +16,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutP
 }
 
 }  // namespace
+
+Status preload_layout_kernels() { return preload({reinterpret_cast<const void*>(layout_kernel)}); }
 
 Status launch_layout(const LayoutParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);

@@ -231,6 +231,9 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
   for (int r = 0; r < n && st.ok(); ++r) {
     if (info.device_ordinals[r] < 0) continue;
     st = CudaStatus(cudaSetDevice(info.device_ordinals[r]), "cudaSetDevice", __FILE__, __LINE__);
+    if (st.ok()) st = preload_layout_kernels();
+    if (st.ok()) st = preload_intranode_kernels();
+    if (st.ok()) st = preload_low_latency_kernels();
     if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking),
                                  "cudaStreamCreateWithFlags", __FILE__, __LINE__);
     if (st.ok()) {

@@ -94,9 +94,36 @@ def main(argv=None):
                                 bytes_received=case.bytes_received))
             print(f"    {timing.seconds * 1e6:9.1f} us  {gbps:7.1f} GB/s  (spread {timing.spread:.0%}, "
                   f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    if gpus and args.mode in ("low_latency", "all") and not only:
+        results += low_latency_phases(devices, args, rng)
     print_table(results)
     write_outputs(results, args, machine)
     return 0
+
+
+def low_latency_phases(devices, args, rng):
+    """Send / receive kernel times of the LL ops (profiler), for each LL token count."""
+    from .contenders import low_latency_phase_programs
+    from .kernel_times import kernel_times
+
+    patterns = {"LL dispatch send (kernel)": "ll_dispatch_send_kernel",
+                "LL dispatch recv (kernel)": "ll_dispatch_recv_kernel",
+                "LL combine send (kernel)": "ll_combine_send_kernel",
+                "LL combine recv (kernel)": "ll_combine_recv_kernel"}
+    rows = []
+    for tokens in args.ll_tokens:
+        try:
+            fn, fargs = low_latency_phase_programs(devices, tokens, args.hidden, args.topk, args.ll_experts, rng,
+                                                   args.num_sms)
+            times = kernel_times(fn, fargs, patterns)
+        except Exception as e:  # the profiler is optional: say why there are no phase times
+            print(f"[low_latency T={tokens}] no kernel times: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        for label, (count, us) in times.items():
+            print(f"[low_latency T={tokens}] {label}: {us:.1f} us (median of {count} launches over all GPUs)")
+            rows.append(dict(mode="low_latency", tokens=tokens, name=label, kind="phase", op="phase", us=us,
+                             gbps=0.0, launches=count))
+    return rows
 
 
 def print_table(results):
@@ -111,7 +138,8 @@ def print_table(results):
         speedup = f"{min(base) / r['us']:.2f}x" if base and r["kind"] == "jax_ep" else ""
         ratio = (f"{r['first_call_us'] / r['single_call_us']:.2f}" if r.get("first_call_us") and
                  r.get("single_call_us") else "")
-        print(f"| {r['mode']} | {r['tokens']} | {r['name']} | {r['op']} | {r['us']:.1f} | {r['gbps']:.1f} | "
+        gbps = f"{r['gbps']:.1f}" if r.get("gbps") else ""
+        print(f"| {r['mode']} | {r['tokens']} | {r['name']} | {r['op']} | {r['us']:.1f} | {gbps} | "
               f"{speedup} | {ratio} |")
 
 

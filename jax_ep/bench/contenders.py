@@ -167,13 +167,20 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
     def ll_combine(expert_out, idx, w, src_info, layout_range):
         return jax_ep.low_latency_combine(expert_out, idx, w, jax_ep.LowLatencyHandle(src_info, layout_range), cfg)
 
+    def ll_dispatch_bf16(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False).recv_x
+
     fp8_bytes, bf16_bytes = pairs * (hidden + hidden // 128 * 4), pairs * hidden * 2
     cases = [
         Case("jax_ep LL dispatch fp8", "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2, fp8_bytes,
              first_call=True),
+        Case("jax_ep LL dispatch bf16", "jax_ep", "dispatch bf16", ll_dispatch_bf16, (x, idx), mesh, (spec,) * 2,
+             bf16_bytes),
         Case("jax_ep LL combine bf16", "jax_ep", "combine", ll_combine, (recv_x, idx, w, src_info, layout_range),
              mesh, (spec,) * 5, bf16_bytes, first_call=True),
     ] + _padded_cases([("dispatch", x, fp8_bytes)], idx, experts, mesh, rng, bf16_bytes)
+    if jax_ep.runtime.resolve_backend(cfg) == "cuda":
+        cases += overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng)
     if with_ragged:
         def ragged(x, idx):
             rows_, dest = baselines.ragged_per_expert_rows(x, idx, experts, ranks)
@@ -181,3 +188,78 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
         cases.append(Case("ragged_all_to_all per (token,expert) dispatch", "baseline", "dispatch", ragged, (x, idx),
                           mesh, (spec,) * 2, fp8_bytes))
     return cases
+
+
+def _after(value, *deps):
+    """`value` with a data dependency on every array in deps (adds 0 * a float element of each; XLA does not fold
+    float x 0, so the order survives optimization)."""
+    for d in deps:
+        zero = d.reshape(-1)[0].astype(jnp.float32) * 0.0
+        value = value + zero.astype(value.dtype)
+    return value
+
+
+def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, matmul_n=2048):
+    """The split phases with independent work between them (SPEC §4): send -> matmul -> recv, against the same
+    three back to back (send -> recv -> matmul) and the matmul alone. Data dependencies fix the order."""
+    spec = P(AXIS)
+    a = _random((mesh.devices.size * matmul_n, matmul_n), rng)
+    Pending = jax_ep.LowLatencyDispatchPending
+
+    def matmul(a):
+        return jnp.dot(a, a, preferred_element_type=jnp.float32)
+
+    def dispatch_overlapped(x, idx, a):
+        pending = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=True)
+        marker, token = pending.buffers
+        m = matmul(_after(a, token))
+        out = jax_ep.low_latency_dispatch_recv(Pending((marker, _after(token, m))), cfg)
+        return _after(m, out.recv_x_scales)
+
+    def dispatch_back_to_back(x, idx, a):
+        out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True)
+        return matmul(_after(a, out.recv_x_scales))
+
+    def combine_overlapped(expert_out, idx, w, src_info, layout_range, a):
+        handle = jax_ep.LowLatencyHandle(src_info, layout_range)
+        pending = jax_ep.low_latency_combine_send(expert_out, idx, w, handle, cfg)
+        token, idx2, w2 = pending.buffers
+        m = matmul(_after(a, token))
+        y = jax_ep.low_latency_combine_recv(jax_ep.LowLatencyCombinePending((_after(token, m), idx2, w2)), cfg)
+        return _after(m, y)
+
+    def combine_back_to_back(expert_out, idx, w, src_info, layout_range, a):
+        y = jax_ep.low_latency_combine(expert_out, idx, w, jax_ep.LowLatencyHandle(src_info, layout_range), cfg)
+        return matmul(_after(a, y))
+
+    def matmul_alone(a):
+        return matmul(a)
+
+    comb_args = (recv_x, idx, w, src_info, layout_range, a)
+    return [
+        Case("overlap: matmul alone", "overlap", "overlap", matmul_alone, (a,), mesh, (spec,), 0.0),
+        Case("overlap: LL dispatch fp8 send|matmul|recv", "overlap", "overlap", dispatch_overlapped, (x, idx, a),
+             mesh, (spec,) * 3, 0.0),
+        Case("overlap: LL dispatch fp8 + matmul back to back", "overlap", "overlap", dispatch_back_to_back,
+             (x, idx, a), mesh, (spec,) * 3, 0.0),
+        Case("overlap: LL combine send|matmul|recv", "overlap", "overlap", combine_overlapped, comb_args, mesh,
+             (spec,) * 6, 0.0),
+        Case("overlap: LL combine + matmul back to back", "overlap", "overlap", combine_back_to_back, comb_args,
+             mesh, (spec,) * 6, 0.0),
+    ]
+
+
+def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms):
+    """(fn, args) running LL dispatch fp8 then combine once, for per-kernel times from the profiler."""
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms)
+    spec = P(AXIS)
+
+    def body(x, idx, w):
+        out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True)
+        expert_out = (out.recv_x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+        return jax_ep.low_latency_combine(expert_out, idx, w, out.handle, cfg)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    from jax.sharding import NamedSharding
+    args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, jnp.asarray(idx), w))
+    return fn, args

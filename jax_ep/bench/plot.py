@@ -12,7 +12,7 @@ def plot_results(results, out_dir, machine):
     import matplotlib.pyplot as plt
 
     written = []
-    ok = [r for r in results if "error" not in r]
+    ok = [r for r in results if "error" not in r and r.get("kind") in ("jax_ep", "baseline")]
     for mode, metric, ylabel in (("normal", "gbps", "GB/s (bytes of received rows / time)"),
                                  ("low_latency", "us", "time per call (us)")):
         rows = [r for r in ok if r["mode"] == mode]

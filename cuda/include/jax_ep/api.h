@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "jax_ep/low_latency.h"
 #include "jax_ep/params.h"
 #include "jax_ep/status.h"
 
@@ -27,5 +28,25 @@ Status launch_combine(const CombineParams& p, cudaStream_t stream);
 
 // One barrier on this device's side of the group (group creation warm-up).
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream);
+
+}  // namespace jax_ep
+
+namespace jax_ep {
+
+// Low-latency ops (cuda/kernels/low_latency.cu). No barrier, no host synchronization; each half is one kernel.
+Status launch_low_latency_dispatch_send(const LowLatencyDispatchSendParams& p, cudaStream_t stream);
+Status launch_low_latency_dispatch_recv(const LowLatencyDispatchRecvParams& p, cudaStream_t stream);
+Status launch_low_latency_combine_send(const LowLatencyCombineSendParams& p, cudaStream_t stream);
+Status launch_low_latency_combine_recv(const LowLatencyCombineRecvParams& p, cudaStream_t stream);
+
+}  // namespace jax_ep
+
+namespace jax_ep {
+
+// Load every kernel into the current device's context (CUDA lazy loading would load each at its first launch).
+// Called by the group warm-up on each device.
+Status preload_layout_kernels();
+Status preload_intranode_kernels();
+Status preload_low_latency_kernels();
 
 }  // namespace jax_ep

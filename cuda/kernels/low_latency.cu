@@ -1,0 +1,465 @@
+// Low-latency mode (SPEC §4): dispatch into per-expert slots and weighted combine, each as a send kernel and a
+// receive kernel (the two halves of the split custom calls; the fused op runs both back to back).
+//
+//   dispatch send   one block per expert e: finds the tokens naming e (in token order), writes one message per token
+//                   into e's owner at slot [l][me][position] (bf16, or fp8 quantized here per 128 channels), then
+//                   publishes the count and the (l, me) flag. No count exchange, no barrier: positions are known
+//                   locally, so the send never waits for a peer (except the rare "peer still reads op n-2" check).
+//   dispatch recv   blocks (l, part): wait for the R flags of expert l, pack rows in (source, token) order into the
+//                   XLA outputs, then the last block tells every peer "I consumed epoch n".
+//   combine send    blocks (l, part): every valid row of expert l back to its source rank, slot [global e][token];
+//                   the last block of expert l raises the c_flags[e] of every rank.
+//   combine recv    blocks (t, part): wait for the flags of t's experts, y[t] = sum_k w[t, k] * row(e_k, t) in f32.
+//
+// Epochs, halves and single-writer flags: see cuda/include/jax_ep/low_latency.h. Memory ordering as in
+// transport/peer.cuh: peer stores -> __syncthreads -> __threadfence_system -> st.release.sys of the flag; the reader
+// spins with ld.acquire.sys, then __syncthreads, then reads peer-written data with ld.cg (L1 is not coherent with
+// peer stores).
+// NOTE: the receive kernels spin inside their (at most ~2 x SMs) blocks instead of in a separate one-warp kernel:
+// for latency, one kernel launch less. They only wait for send kernels that were queued before them on every GPU,
+// and they leave most of each SM's thread slots free, so other streams can still make progress.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/preload.cuh"
+#include "common/ptx.cuh"
+#include "jax_ep/api.h"
+#include "jax_ep/low_latency.h"
+#include "jax_ep/routing.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kSendThreads = 512;      // dispatch send: 16 warps per expert
+constexpr int kThreads = 512;          // dispatch recv, combine send
+constexpr int kCombineRecvThreads = 256;
+constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
+constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
+constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+__device__ __forceinline__ int num_warps() { return blockDim.x >> 5; }
+
+// Epoch of the op being sent: one more than the last send on this rank (set at the end of every send kernel).
+__device__ __forceinline__ uint32_t next_epoch(const GroupCtx& g) {
+  return *reinterpret_cast<volatile uint32_t*>(self_base(g) + LowLatencyHeader::kEpoch) + 1;
+}
+
+// Buffer offset of the half used by the op of `epoch`. NOTE: a select, not half[epoch & 1]: a dynamic index into a
+// by-value kernel parameter would copy the struct to local memory.
+__device__ __forceinline__ int64_t half_offset(const LowLatencyLayout& ll, uint32_t epoch) {
+  return (epoch & 1u) ? ll.half[1] : ll.half[0];
+}
+
+// Before writing into peer d's half for epoch n: d has finished reading op n-2 from that half.
+__device__ __forceinline__ void wait_consumed(const GroupCtx& g, int d, uint32_t epoch) {
+  wait_reached(header_word(self_base(g), LowLatencyHeader::kConsumed + 4 * (kMaxGroupRanks * (epoch & 1u) + d)),
+               epoch - 2u, g.timeout_ns,
+               "low-latency send (peer still reading the op two epochs back)", g.rank, d);
+}
+
+// End of every send kernel (all threads of all blocks): the last block advances this rank's epoch counter.
+__device__ __forceinline__ void finish_send(const GroupCtx& g, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* done = header_word(self_base(g), LowLatencyHeader::kSendDone);
+    if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
+      atomicExch(done, 0u);
+      *reinterpret_cast<volatile uint32_t*>(self_base(g) + LowLatencyHeader::kEpoch) = epoch;
+    }
+  }
+}
+
+// End of every receive kernel: once all blocks have read their part of the half, tell every rank (this one too)
+// that epoch n is consumed here, so their op n+2 may reuse the half.
+__device__ __forceinline__ void finish_recv(const GroupCtx& g, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's loads from the half are complete before it is counted
+    uint32_t* done = header_word(self_base(g), LowLatencyHeader::kRecvDone);
+    if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
+      atomicExch(done, 0u);
+      __threadfence_system();
+      for (int d = 0; d < g.num_ranks; ++d)
+        st_release_sys(header_word(peer_base(g, d),
+                                   LowLatencyHeader::kConsumed + 4 * (kMaxGroupRanks * (epoch & 1u) + g.rank)),
+                       epoch);
+    }
+  }
+}
+
+// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
+__device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
+  int s = 0;
+  while (s + 1 < R && i >= off[s + 1]) ++s;
+  return s;
+}
+
+__device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
+  const int n16 = bytes / 16;
+  for (int j = lane_id(); j < n16; j += 32)
+    st_v4(reinterpret_cast<int4*>(dst) + j, ld_cg_v4(reinterpret_cast<const int4*>(src) + j));
+}
+
+__device__ __forceinline__ void copy_segment_nc(char* dst, const char* src, int bytes) {
+  const int n16 = bytes / 16;
+  int4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) v[u] = ld_nc_v4(reinterpret_cast<const int4*>(src) + j);
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, v[u]);
+  }
+}
+
+// Quantizes channels [ch0, ch1) (at most kSegChannels) of one bf16 row into an fp8 message (payload at +0, scales
+// at +H). Each lane owns 16 channels per step (two 16-byte loads, one 16-byte fp8 store: NVLink moves full 16-byte
+// stores about twice as fast as 8-byte ones); step j covers ch0 + 512 j + [0, 512), and each group of 8 lanes owns one
+// 128-channel block (H % 128 == 0). All loads of the segment are issued before any arithmetic.
+// warp_scales: 8 floats of shared memory owned by this warp (the segment's scales go to the peer as 16-byte vectors,
+// not 4-byte writes).
+__device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_bfloat16* row, int hidden, int ch0,
+                                                 int ch1, float* warp_scales) {
+  constexpr int kSteps = kSegChannels / 512;
+  const int lane = lane_id();
+  int4 v[kSteps][2];
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    const int ch = ch0 + 512 * j + lane * 16;
+    if (ch < ch1) {
+      v[j][0] = ld_nc_v4(reinterpret_cast<const int4*>(row + ch));
+      v[j][1] = ld_nc_v4(reinterpret_cast<const int4*>(row + ch + 8));
+    }
+  }
+  float amax[kSteps];
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    amax[j] = 0.0f;
+    if (ch0 + 512 * j + lane * 16 < ch1) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v[j][h]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 p = __bfloat1622float2(h2[i]);
+          amax[j] = fmaxf(amax[j], fmaxf(fabsf(p.x), fabsf(p.y)));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 4; o >= 1; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
+  }
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    const int ch = ch0 + 512 * j + lane * 16;
+    if (ch >= ch1) continue;
+    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); all-zero block: scale 1.
+    const float scale = amax[j] > 0.0f ? __fmul_rn(amax[j], kInvE4m3Max) : 1.0f;
+    const float inv = __fdiv_rn(1.0f, scale);
+    uint32_t q2[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v[j][h]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 p = __bfloat1622float2(h2[i]);
+        q2[4 * h + i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(p.x, inv), __fmul_rn(p.y, inv)),
+                                                 __NV_SATFINITE, __NV_E4M3);
+      }
+    }
+    st_v4(reinterpret_cast<int4*>(msg_payload + ch),
+          make_int4(static_cast<int>(q2[0] | (q2[1] << 16)), static_cast<int>(q2[2] | (q2[3] << 16)),
+                    static_cast<int>(q2[4] | (q2[5] << 16)), static_cast<int>(q2[6] | (q2[7] << 16))));
+    if ((lane & 7) == 0) warp_scales[(ch - ch0) / kFp8Block] = scale;
+  }
+  __syncwarp();
+  const int blocks = (ch1 - ch0) / kFp8Block;  // <= 8 scales of this segment, contiguous in the message
+  float* dst = reinterpret_cast<float*>(msg_payload + hidden) + ch0 / kFp8Block;
+  if (blocks % 4 == 0) {
+    if (lane < blocks / 4) reinterpret_cast<float4*>(dst)[lane] = reinterpret_cast<const float4*>(warp_scales)[lane];
+  } else if (lane < blocks) {
+    dst[lane] = warp_scales[lane];
+  }
+  __syncwarp();  // warp_scales is reused by the warp's next item
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const LowLatencyDispatchSendParams p) {
+  const LowLatencyCtx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
+  const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
+  const uint32_t epoch = next_epoch(g);
+  const int64_t half = half_offset(c.ll, epoch);
+  const int nseg = (H + kSegChannels - 1) / kSegChannels;
+  __shared__ int32_t s_warp_count[kSendThreads / 32];
+  __shared__ int32_t s_tokens[kSendThreads];
+  __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.token[0] = static_cast<int32_t>(epoch);
+    p.token[1] = T;
+  }
+
+  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+    const int d = e / L, l = e % L;
+    char* dst_half = peer_base(g, d) + half;
+    char* msgs = dst_half + c.ll.rows + static_cast<int64_t>(l * R + me) * c.max_tokens * c.ll.msg_stride;
+    if (threadIdx.x == 0) wait_consumed(g, d, epoch);  // the chunk loop's first __syncthreads orders the rest
+    int32_t sent = 0;
+    for (int t0 = 0; t0 < T; t0 += blockDim.x) {
+      const int t = t0 + threadIdx.x;
+      bool chosen = false;
+      if (t < T) {
+        const int32_t* ids = p.topk_idx + static_cast<int64_t>(t) * K;
+        for (int k = 0; k < K; ++k) chosen |= (__ldg(ids + k) == e);  // a repeated expert still sends one copy
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, chosen);
+      if (lane == 0) s_warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, chunk = 0;
+      for (int w = 0; w < nw; ++w) {
+        const int n = s_warp_count[w];
+        before += w < warp ? n : 0;
+        chunk += n;
+      }
+      if (chosen) s_tokens[before + __popc(ballot & ((1u << lane) - 1u))] = t;
+      __syncthreads();
+      for (int item = warp; item < chunk * nseg; item += nw) {
+        const int j = item / nseg, seg = item % nseg;
+        const int tok = s_tokens[j];
+        char* msg = msgs + static_cast<int64_t>(sent + j) * c.ll.msg_stride;
+        const int ch0 = seg * kSegChannels, ch1 = min(H, ch0 + kSegChannels);
+        const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(tok) * H;
+        if (p.use_fp8) {
+          quantize_segment(msg + kLowLatencyMsgHeader, row, H, ch0, ch1, s_scales[warp]);
+        } else {
+          copy_segment_nc(msg + kLowLatencyMsgHeader + 2 * ch0, reinterpret_cast<const char*>(row + ch0),
+                          2 * (ch1 - ch0));
+        }
+        if (seg == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(tok, 0, 0, 0);  // one 16-byte header
+      }
+      sent += chunk;
+      __syncthreads();  // s_tokens / s_warp_count are reused; all message stores of the chunk are issued
+    }
+    if (threadIdx.x == 0) {
+      *reinterpret_cast<volatile int32_t*>(dst_half + c.ll.d_counts + 4 * (l * R + me)) = sent;
+      __threadfence_system();
+      st_release_sys(header_word(dst_half, c.ll.d_flags + 4 * (l * R + me)), epoch);
+    }
+  }
+  finish_send(g, epoch);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const LowLatencyDispatchRecvParams p) {
+  const LowLatencyCtx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, rows_per_expert = R * Tm;
+  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<const volatile int32_t*>(p.token));
+  const char* half = self_base(g) + half_offset(c.ll, epoch);
+  __shared__ int32_t s_off[kMaxGroupRanks + 1];
+  __shared__ int32_t s_count[kMaxGroupRanks];
+  if (tid < R) {
+    wait_reached(header_word(const_cast<char*>(half), c.ll.d_flags + 4 * (l * R + tid)), epoch, g.timeout_ns,
+                 "low-latency dispatch receive", g.rank, tid);
+    const int32_t n = __ldcg(reinterpret_cast<const int32_t*>(half + c.ll.d_counts) + l * R + tid);
+    s_count[tid] = min(max(n, 0), Tm);  // never trust a count beyond the slots
+  }
+  __syncthreads();
+  if (tid == 0) {
+    s_off[0] = 0;
+    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + s_count[s];
+  }
+  __syncthreads();
+  const int total = s_off[R];
+  if (part == 0) {
+    if (tid < R) p.layout_range[l * R + tid] = s_count[tid];
+    if (tid == 0) p.recv_count[l] = total;
+  }
+  const char* expert_msgs = half + c.ll.rows + static_cast<int64_t>(l) * R * Tm * c.ll.msg_stride;
+  auto message = [&](int i) {
+    const int s = source_of_row(s_off, R, i);
+    return expert_msgs + static_cast<int64_t>(s * Tm + (i - s_off[s])) * c.ll.msg_stride;
+  };
+  for (int i = part * blockDim.x + tid; i < rows_per_expert; i += parts * blockDim.x) {
+    p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] =
+        i < total ? __ldcg(reinterpret_cast<const int32_t*>(message(i))) : -1;
+  }
+  const int payload_bytes = p.use_fp8 ? H : 2 * H;
+  const int nseg = (payload_bytes + kSegBytes - 1) / kSegBytes;
+  char* out = static_cast<char*>(p.recv_x) + static_cast<int64_t>(l) * rows_per_expert * payload_bytes;
+  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
+    const int i = item / nseg, seg = item % nseg;
+    const int off = seg * kSegBytes;
+    copy_segment_cg(out + static_cast<int64_t>(i) * payload_bytes + off, message(i) + kLowLatencyMsgHeader + off,
+                    min(kSegBytes, payload_bytes - off));
+  }
+  if (p.use_fp8) {
+    const int S = H / kFp8Block;
+    float* scales = p.recv_x_scales + static_cast<int64_t>(l) * rows_per_expert * S;
+    for (int idx = part * blockDim.x + tid; idx < total * S; idx += parts * blockDim.x) {
+      const int i = idx / S, j = idx % S;
+      scales[static_cast<int64_t>(i) * S + j] =
+          __ldcg(reinterpret_cast<const float*>(message(i) + kLowLatencyMsgHeader + H) + j);
+    }
+  }
+  finish_recv(g, epoch);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) ll_combine_send_kernel(const LowLatencyCombineSendParams p) {
+  const LowLatencyCtx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
+  const int rows_per_expert = R * Tm, row_bytes = 2 * H;
+  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const uint32_t epoch = next_epoch(g);
+  const int64_t half = half_offset(c.ll, epoch);
+  __shared__ int32_t s_off[kMaxGroupRanks + 1];
+  if (l == 0 && part == 0 && tid == 0) {
+    p.token[0] = static_cast<int32_t>(epoch);
+    p.token[1] = 0;
+  }
+  if (tid == 0) {
+    s_off[0] = 0;
+    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
+  }
+  if (tid < R) wait_consumed(g, tid, epoch);
+  __syncthreads();
+  const int total = s_off[R];
+  const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
+  const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
+  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
+    const int i = item / nseg, seg = item % nseg, off = seg * kSegBytes;
+    const int s = source_of_row(s_off, R, i);
+    const int32_t t = __ldg(p.src_info + static_cast<int64_t>(l) * rows_per_expert + i);
+    if (t < 0 || t >= Tm) continue;  // a corrupted handle never writes out of bounds
+    char* dst = peer_base(g, s) + half + c.ll.rows +
+                (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes + off;
+    copy_segment_nc(dst, rows + static_cast<int64_t>(i) * row_bytes + off, min(kSegBytes, row_bytes - off));
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence_system();  // this block's peer stores happen before it is counted
+    uint32_t* blocks_done = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch) + l;
+    if (atomicAdd(blocks_done, 1u) == static_cast<uint32_t>(parts - 1)) {
+      atomicExch(blocks_done, 0u);
+      __threadfence_system();
+      for (int d = 0; d < R; ++d)
+        st_release_sys(header_word(peer_base(g, d) + half, c.ll.c_flags + 4 * (me * L + l)), epoch);
+    }
+  }
+  finish_send(g, epoch);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(const LowLatencyCombineRecvParams p) {
+  const LowLatencyCtx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
+  const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<const volatile int32_t*>(p.token));
+  char* half = self_base(g) + half_offset(c.ll, epoch);
+  __shared__ int32_t s_expert[kMaxTopk];
+  __shared__ float s_weight[kMaxTopk];
+  const bool has_token = t < p.num_tokens;  // T = 0 still runs one block: finish_recv must publish the epoch
+  if (has_token && tid < K) {
+    const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + tid);
+    const bool valid = valid_expert(e, E);
+    if (valid)
+      wait_reached(header_word(half, c.ll.c_flags + 4 * e), epoch, g.timeout_ns, "low-latency combine receive",
+                   g.rank, e / L);
+    s_expert[tid] = valid ? e : -1;
+    s_weight[tid] = valid ? __ldg(p.topk_weights + static_cast<int64_t>(t) * K + tid) : 0.0f;
+  }
+  __syncthreads();
+  const int n8 = H / 8;
+  const char* rows = half + c.ll.rows;
+  for (int ci = part * blockDim.x + tid; has_token && ci < n8; ci += parts * blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < K; ++k) {
+      const int e = s_expert[k];
+      if (e < 0) continue;
+      const int4 v = ld_cg_v4(
+          reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(e) * Tm + t) * 2 * H) + ci);
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+      const float w = s_weight[k];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h2[i]);
+        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+      }
+    }
+    int4 o;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
+  }
+  finish_recv(g, epoch);
+}
+
+// Blocks per expert so that a call spreads over about two blocks per SM.
+int parts_per_expert(const LowLatencyCtx& c, int max_parts) {
+  const int sms = c.sm_count > 0 ? c.sm_count : 132;
+  return std::max(1, std::min(max_parts, (2 * sms + c.num_local - 1) / c.num_local));
+}
+
+Status launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+Status preload_low_latency_kernels() {
+  return preload({reinterpret_cast<const void*>(ll_dispatch_send_kernel),
+                  reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
+                  reinterpret_cast<const void*>(ll_combine_send_kernel),
+                  reinterpret_cast<const void*>(ll_combine_recv_kernel)});
+}
+
+Status launch_low_latency_dispatch_send(const LowLatencyDispatchSendParams& p, cudaStream_t stream) {
+  const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
+  const int grid = std::max(1, std::min(p.c.num_experts, 4 * sms));
+  ll_dispatch_send_kernel<<<grid, kSendThreads, 0, stream>>>(p);
+  return launched("low-latency dispatch send");
+}
+
+Status launch_low_latency_dispatch_recv(const LowLatencyDispatchRecvParams& p, cudaStream_t stream) {
+  const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
+  ll_dispatch_recv_kernel<<<grid, kThreads, 0, stream>>>(p);
+  return launched("low-latency dispatch receive");
+}
+
+Status launch_low_latency_combine_send(const LowLatencyCombineSendParams& p, cudaStream_t stream) {
+  const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
+  ll_combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
+  return launched("low-latency combine send");
+}
+
+Status launch_low_latency_combine_recv(const LowLatencyCombineRecvParams& p, cudaStream_t stream) {
+  const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
+  const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
+  const int blocks = std::max(1, p.num_tokens);
+  const int parts = std::max(1, std::min(max_parts, (2 * sms + blocks - 1) / blocks));
+  ll_combine_recv_kernel<<<dim3(blocks, parts), kCombineRecvThreads, 0, stream>>>(p);
+  return launched("low-latency combine receive");
+}
+
+}  // namespace jax_ep
