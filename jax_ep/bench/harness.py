@@ -29,13 +29,13 @@ class Timing:
     calls_per_loop: int
 
 
-def chained_loop(op: Callable, num_calls: int, mesh, in_specs, feedback: Callable):
+def chained_loop(op: Callable, num_calls: int, mesh, in_specs, feedback: Callable, unroll: bool = True):
     """jit(shard_map(loop)) running `op(*args)` num_calls times; feedback(args, out) -> args of the next call."""
 
     def body(*args):
         def step(_, carry):
             return feedback(carry, op(*carry))
-        return jax.lax.fori_loop(0, num_calls, step, tuple(args), unroll=True)
+        return jax.lax.fori_loop(0, num_calls, step, tuple(args), unroll=unroll)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=in_specs))
 
@@ -49,7 +49,8 @@ def feed_row(carry, out):
     return (jax.lax.dynamic_update_slice(x, row, (0,) * x.ndim),) + tuple(carry[1:])
 
 
-def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True) -> Timing:
+def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
+            unroll=True) -> Timing:
     args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs))
     first = steady_single = None
     if first_call:  # one call, compiled ahead: the first execution's latency (compile excluded)
@@ -63,7 +64,7 @@ def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loo
             jax.block_until_ready(single(*args))
             single_times.append(time.perf_counter() - t0)
         steady_single = statistics.median(single_times)
-    loop = chained_loop(op, num_calls, mesh, in_specs, feedback).lower(*args).compile()
+    loop = chained_loop(op, num_calls, mesh, in_specs, feedback, unroll).lower(*args).compile()
     jax.block_until_ready(loop(*args))  # warm-up
     samples = []
     for _ in range(loops):
