@@ -79,6 +79,24 @@ ffi::Error make_ll_ctx(const char* target, int32_t ordinal, const LowLatencyAttr
   return ffi::Error::Success();
 }
 
+// Runs a handler body with the call's context (group lookup and config checks first), exceptions guarded.
+template <typename Body>
+ffi::Error WithContext(const char* target, int32_t ordinal, const LowLatencyAttrs& a, Body&& body) {
+  return Guarded(target, [&]() -> ffi::Error {
+    LowLatencyCtx c{};
+    if (auto e = make_ll_ctx(target, ordinal, a, &c); !e.success()) return e;
+    return body(c);
+  });
+}
+
+// Launches on the handler's device (kernel launches go to XLA's stream of that device).
+template <typename Params>
+ffi::Error LaunchOn(const char* target, int32_t ordinal, const Params& p, cudaStream_t stream,
+                    Status (*launch)(const Params&, cudaStream_t)) {
+  if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(target, st);
+  return ToFfi(target, launch(p, stream));
+}
+
 ffi::Error CheckToken(const char* target, const S32Vec& token) {
   JAX_EP_CHECK_SHAPE(target, "token", token, 2);
   return ffi::Error::Success();
@@ -98,11 +116,9 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t ordinal, AnyBuf x, S32Mat t
                         int64_t group_id, int32_t num_experts, int32_t hidden, int32_t num_topk,
                         int32_t max_tokens_per_rank, int64_t timeout_ns, int64_t ll_offset, int64_t ll_bytes,
                         int32_t use_fp8) {
-  return Guarded(kDispatchSend, [&]() -> ffi::Error {
-    const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
-                            ll_bytes};
-    LowLatencyCtx c{};
-    if (auto e = make_ll_ctx(kDispatchSend, ordinal, a, &c); !e.success()) return e;
+  const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
+                          ll_bytes};
+  return WithContext(kDispatchSend, ordinal, a, [&](const LowLatencyCtx& c) -> ffi::Error {
     JAX_EP_CHECK(kDispatchSend, x.element_type() == ffi::DataType::BF16, "x must be bfloat16");
     const auto xd = x.dimensions();
     JAX_EP_CHECK(kDispatchSend, xd.size() == 2 && xd[1] == hidden,
@@ -120,8 +136,7 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t ordinal, AnyBuf x, S32Mat t
     p.num_tokens = static_cast<int32_t>(T);
     p.num_topk = num_topk;
     p.use_fp8 = use_fp8 != 0;
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kDispatchSend, st);
-    return ToFfi(kDispatchSend, launch_low_latency_dispatch_send(p, stream));
+    return LaunchOn(kDispatchSend, ordinal, p, stream, launch_low_latency_dispatch_send);
   });
 }
 
@@ -133,11 +148,9 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, S32Vec token, ffi:
                         ffi::Result<S32Mat> src_info, ffi::Result<S32Mat> layout_range, int64_t group_id,
                         int32_t num_experts, int32_t hidden, int32_t num_topk, int32_t max_tokens_per_rank,
                         int64_t timeout_ns, int64_t ll_offset, int64_t ll_bytes, int32_t use_fp8) {
-  return Guarded(kDispatchRecv, [&]() -> ffi::Error {
-    const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
-                            ll_bytes};
-    LowLatencyCtx c{};
-    if (auto e = make_ll_ctx(kDispatchRecv, ordinal, a, &c); !e.success()) return e;
+  const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
+                          ll_bytes};
+  return WithContext(kDispatchRecv, ordinal, a, [&](const LowLatencyCtx& c) -> ffi::Error {
     if (auto e = CheckToken(kDispatchRecv, token); !e.success()) return e;
     const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * max_tokens_per_rank;
     const int64_t S = use_fp8 ? hidden / kFp8Block : 0;
@@ -160,8 +173,7 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, S32Vec token, ffi:
     p.src_info = src_info->typed_data();
     p.layout_range = layout_range->typed_data();
     p.use_fp8 = use_fp8 != 0;
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kDispatchRecv, st);
-    return ToFfi(kDispatchRecv, launch_low_latency_dispatch_recv(p, stream));
+    return LaunchOn(kDispatchRecv, ordinal, p, stream, launch_low_latency_dispatch_recv);
   });
 }
 
@@ -172,11 +184,9 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t ordinal, AnyBuf expert_out, 
                        ffi::Result<S32Vec> token, int64_t group_id, int32_t num_experts, int32_t hidden,
                        int32_t num_topk, int32_t max_tokens_per_rank, int64_t timeout_ns, int64_t ll_offset,
                        int64_t ll_bytes) {
-  return Guarded(kCombineSend, [&]() -> ffi::Error {
-    const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
-                            ll_bytes};
-    LowLatencyCtx c{};
-    if (auto e = make_ll_ctx(kCombineSend, ordinal, a, &c); !e.success()) return e;
+  const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
+                          ll_bytes};
+  return WithContext(kCombineSend, ordinal, a, [&](const LowLatencyCtx& c) -> ffi::Error {
     const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * max_tokens_per_rank;
     JAX_EP_CHECK(kCombineSend, expert_out.element_type() == ffi::DataType::BF16, "expert_out must be bfloat16");
     JAX_EP_CHECK_SHAPE(kCombineSend, "expert_out", expert_out, L, rows, hidden);
@@ -190,8 +200,7 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t ordinal, AnyBuf expert_out, 
     p.src_info = src_info.typed_data();
     p.layout_range = layout_range.typed_data();
     p.token = token->typed_data();
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kCombineSend, st);
-    return ToFfi(kCombineSend, launch_low_latency_combine_send(p, stream));
+    return LaunchOn(kCombineSend, ordinal, p, stream, launch_low_latency_combine_send);
   });
 }
 
@@ -202,11 +211,9 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t ordinal, S32Vec token, S32Ma
                        ffi::Result<AnyBuf> y, int64_t group_id, int32_t num_experts, int32_t hidden,
                        int32_t num_topk, int32_t max_tokens_per_rank, int64_t timeout_ns, int64_t ll_offset,
                        int64_t ll_bytes) {
-  return Guarded(kCombineRecv, [&]() -> ffi::Error {
-    const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
-                            ll_bytes};
-    LowLatencyCtx c{};
-    if (auto e = make_ll_ctx(kCombineRecv, ordinal, a, &c); !e.success()) return e;
+  const LowLatencyAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset,
+                          ll_bytes};
+  return WithContext(kCombineRecv, ordinal, a, [&](const LowLatencyCtx& c) -> ffi::Error {
     if (auto e = CheckToken(kCombineRecv, token); !e.success()) return e;
     const int64_t T = topk_idx.dimensions()[0];
     if (auto e = CheckRouting(kCombineRecv, a, topk_idx, T); !e.success()) return e;
@@ -222,8 +229,7 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t ordinal, S32Vec token, S32Ma
     p.y = y->untyped_data();
     p.num_tokens = static_cast<int32_t>(T);
     p.num_topk = num_topk;
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kCombineRecv, st);
-    return ToFfi(kCombineRecv, launch_low_latency_combine_recv(p, stream));
+    return LaunchOn(kCombineRecv, ordinal, p, stream, launch_low_latency_combine_recv);
   });
 }
 

@@ -100,6 +100,17 @@ __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
   return s;
 }
 
+// Eight bf16 values (one 16-byte vector) as floats.
+__device__ __forceinline__ void unpack_bf16x8(const int4& v, float f[8]) {
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h2[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
 __device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
   const int n16 = bytes / 16;
   for (int j = lane_id(); j < n16; j += 32)
@@ -147,12 +158,10 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
     if (ch0 + 512 * j + lane * 16 < ch1) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v[j][h]);
+        float f[8];
+        unpack_bf16x8(v[j][h], f);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 p = __bfloat1622float2(h2[i]);
-          amax[j] = fmaxf(amax[j], fmaxf(fabsf(p.x), fabsf(p.y)));
-        }
+        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], fabsf(f[i]));
       }
     }
   }
@@ -171,13 +180,12 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
     uint32_t q2[8];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v[j][h]);
+      float f[8];
+      unpack_bf16x8(v[j][h], f);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 p = __bfloat1622float2(h2[i]);
-        q2[4 * h + i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(p.x, inv), __fmul_rn(p.y, inv)),
+      for (int i = 0; i < 4; ++i)
+        q2[4 * h + i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)),
                                                  __NV_SATFINITE, __NV_E4M3);
-      }
     }
     st_v4(reinterpret_cast<int4*>(msg_payload + ch),
           make_int4(static_cast<int>(q2[0] | (q2[1] << 16)), static_cast<int>(q2[2] | (q2[3] << 16)),
@@ -395,14 +403,11 @@ __global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(co
       if (e < 0) continue;
       const int4 v = ld_cg_v4(
           reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(e) * Tm + t) * 2 * H) + ci);
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+      float f[8];
+      unpack_bf16x8(v, f);
       const float w = s_weight[k];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h2[i]);
-        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-      }
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
     }
     int4 o;
     __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);

@@ -42,6 +42,23 @@ def skip_reason(num_gpus: int) -> str | None:
     return None
 
 
+def require(num_gpus: int) -> None:
+    """pytest.skip (with the reason printed by -rs) unless the extension is built and num_gpus GPUs are here."""
+    reason = skip_reason(num_gpus)
+    if reason:
+        import pytest
+
+        pytest.skip(reason)
+
+
+def assert_grads_close(got, want, names, rtol=1e-2):
+    """Each gradient of `got` is finite and within rtol (relative L2 norm) of the same one of `want`."""
+    for a, b, name in zip(got, want, names):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert np.isfinite(a).all() and rel < rtol, f"{name}: relative error {rel:.2e}"
+
+
 class Group:
     """An intranode group over the first R GPUs, made big enough for `configs`; installs itself as the group that
     jax_ep.runtime.group_id_for returns."""
