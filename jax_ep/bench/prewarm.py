@@ -3,6 +3,7 @@ without `initialize` (the runtime is then made at trace time).
 
     python -m jax_ep.bench.prewarm --mode eager                       # one process driving all local GPUs
     python -m jax_ep.bench.prewarm --mode lazy
+    python -m jax_ep.bench.prewarm --mode xla                         # control: plain XLA program, no jax_ep
     python -m jax_ep.launch -n 4 -m jax_ep.bench.prewarm --mode eager  # one process per GPU (NVSHMEM)
     python -m jax_ep.launch -n 4 -m jax_ep.bench.prewarm --mode lazy
 
@@ -33,8 +34,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jax_ep.bench.prewarm", description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["eager", "lazy"], required=True,
-                    help="eager: jax_ep.initialize before tracing; lazy: no initialize (trace-time init)")
+    ap.add_argument("--mode", choices=["eager", "lazy", "xla"], required=True,
+                    help="eager: jax_ep.initialize before tracing; lazy: no initialize (trace-time init); xla: a plain XLA "
+                         "program of the same inputs and output shape (control)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
@@ -84,6 +86,8 @@ def main(argv=None):
     args = (x, put(idx), put(w))
 
     def body(x, idx, w):
+        if a.mode == "xla":  # control: a plain XLA program with the same inputs and output, no jax_ep
+            return (x.astype(jnp.float32) * w[:, :1]).astype(x.dtype) + idx[:, :1].astype(x.dtype)
         out = jax_ep.dispatch(x, idx, w, cfg)
         y, _ = jax_ep.combine(out.recv_x, out.handle, cfg)
         return y
@@ -105,7 +109,12 @@ def main(argv=None):
     rt = jax_ep.runtime.current()
     if a.mode == "lazy":
         row["initialize_steps_ms"] = {k: round(v * 1e3, 2) for k, v in rt.timings.items()}
-    row["process_model"], row["transport"] = rt.process_model, rt.transport
+    if rt is None:  # xla control
+        row["initialize_steps_ms"] = {}
+        row["process_model"] = "multi-process" if nproc > 1 else "single-process"
+        row["transport"] = "none (plain XLA)"
+    else:
+        row["process_model"], row["transport"] = rt.process_model, rt.transport
     t = time.perf_counter()
     compiled = lowered.compile()
     row["compile_s"] = slowest(time.perf_counter() - t)
