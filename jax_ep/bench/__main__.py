@@ -53,13 +53,18 @@ def parse_args(argv, on_gpu):
 
 
 def main(argv=None):
+    from jax_ep.launch import init_from_env
+
+    pid, nproc = init_from_env()  # under `python -m jax_ep.launch -n N`: one process per GPU; else (0, 1)
+    if pid != 0:  # one table / one results.json for the job: the other ranks only take part
+        sys.stdout = open(os.devnull, "w")
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     args = parse_args(argv, bool(gpus))
     devices = (gpus or jax.devices("cpu"))[: args.ranks]
     machine = (f"{len(gpus)}x {gpus[0].device_kind}" if gpus else
                f"{len(devices)} emulated CPU devices on {platform.machine()} (small shapes; not GPU numbers)")
-    print(f"jax_ep.bench on {machine}; jax {jax.__version__}; process model: single process, "
-          f"{jax.process_count()} process(es)")
+    model = f"multi-process ({nproc} processes, jax_ep.launch)" if nproc > 1 else "single process"
+    print(f"jax_ep.bench on {machine}; jax {jax.__version__}; process model: {model}")
     if not gpus:
         print("note: XLA:CPU has no ragged_all_to_all, so the ragged baselines are skipped on CPU")
     rng = np.random.default_rng(args.seed)
@@ -108,7 +113,8 @@ def main(argv=None):
     if gpus and args.mode in ("low_latency", "all") and not only:
         results += low_latency_phases(devices, args, rng)
     print_table(results)
-    write_outputs(results, args, machine)
+    if pid == 0:
+        write_outputs(results, args, machine, model)
     return 0
 
 
@@ -154,9 +160,9 @@ def print_table(results):
               f"{speedup} | {ratio} |")
 
 
-def write_outputs(results, args, machine):
+def write_outputs(results, args, machine, model):
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine, jax=jax.__version__,
+    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine, jax=jax.__version__, process_model=model,
                 command="python -m jax_ep.bench " + " ".join(sys.argv[1:]))
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:

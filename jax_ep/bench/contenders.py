@@ -13,7 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_ep
 
 from . import baselines
-from .harness import feed_row
+from .harness import feed_row, to_global
 
 AXIS = "ep"
 
@@ -57,15 +57,16 @@ def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms):
     cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
     jax_ep.initialize(mesh, cfg)
     idx = deepep_routing(rng, len(devices), tokens, experts, topk)
-    x = _random((len(devices) * tokens, hidden), rng)
-    w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
+    spec = P(AXIS)
+    x = to_global(_random((len(devices) * tokens, hidden), rng), mesh, spec)
+    w = to_global(rng.random(size=idx.shape).astype(np.float32), mesh, spec)
     return len(devices), mesh, cfg, idx, x, w
 
 
 def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
     ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
     rows = _received_rows(idx, ranks, tokens, experts)
-    idx = jnp.asarray(idx)
+    idx = to_global(idx, mesh, P(AXIS))
     q, scales = jax.jit(jax_ep.fp8.quantize_blocks)(x)
     bf16_bytes, fp8_bytes = rows * hidden * 2, rows * (hidden + hidden // 128 * 4)
     spec = P(AXIS)
@@ -151,7 +152,7 @@ def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
 def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
     ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
     pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
-    idx = jnp.asarray(idx)
+    idx = to_global(idx, mesh, P(AXIS))
     spec = P(AXIS)
 
     def ll_dispatch(x, idx):
@@ -260,6 +261,4 @@ def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_
         return jax_ep.low_latency_combine(expert_out, idx, w, out.handle, cfg)
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-    from jax.sharding import NamedSharding
-    args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, jnp.asarray(idx), w))
-    return fn, args
+    return fn, (x, to_global(idx, mesh, spec), w)

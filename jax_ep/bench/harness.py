@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -49,9 +50,22 @@ def feed_row(carry, out):
     return (jax.lax.dynamic_update_slice(x, row, (0,) * x.ndim),) + tuple(carry[1:])
 
 
+def to_global(a, mesh, spec):
+    """`a` as an array sharded over the whole mesh by `spec`, in both process models: an array that already spans
+    processes is only resharded; anything else (numpy, or an array on this process's devices, the same value on
+    every process) goes through the host to every process's shards."""
+    sharding = NamedSharding(mesh, spec)
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return jax.device_put(a, sharding)
+    if jax.process_count() == 1:
+        return jax.device_put(a, sharding)
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
             unroll=True) -> Timing:
-    args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs))
+    args = tuple(to_global(a, mesh, s) for a, s in zip(args, in_specs))
     first = steady_single = None
     if first_call:  # one call, compiled ahead: the first execution's latency (compile excluded)
         single = chained_loop(op, 1, mesh, in_specs, feedback).lower(*args).compile()
