@@ -75,6 +75,8 @@ def main(argv=None):
         sweeps += [("normal", t, args.experts) for t in args.tokens]
     if args.mode in ("low_latency", "all"):
         sweeps += [("low_latency", t, args.ll_experts) for t in args.ll_tokens]
+    if nproc > 1 and gpus:
+        _size_nvshmem_heap(sweeps, args, len(devices))
     for mode, tokens, experts in sweeps:
         maker = normal_contenders if mode == "normal" else low_latency_contenders
         cases = maker(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
@@ -116,6 +118,17 @@ def main(argv=None):
     if pid == 0:
         write_outputs(results, args, machine, model)
     return 0
+
+
+def _size_nvshmem_heap(sweeps, args, ranks):
+    """One process per GPU: NVSHMEM's symmetric heap is fixed by the first initialize of the process, and each sweep
+    initializes its own config; size the heap for the largest of them up front (unless the user set it)."""
+    from jax_ep import EPConfig, buffer_size_hint, nvshmem_runtime
+
+    need = max(buffer_size_hint(EPConfig(experts, args.hidden, args.topk, tokens, num_sms=args.num_sms),
+                                ranks).total_bytes for _, tokens, experts in sweeps)
+    heap = nvshmem_runtime.nvshmem_environment(need, environ={})["NVSHMEM_SYMMETRIC_SIZE"]
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap))
 
 
 def low_latency_phases(devices, args, rng):
