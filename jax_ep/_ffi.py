@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _native
+from .config import FP8_BLOCK
 
 
 def result_type(like, shape, dtype):
@@ -66,11 +67,17 @@ def match_varying(*xs):
     return out
 
 
-def group_attrs(*, group_id, num_experts, hidden, num_topk, max_tokens_per_rank, num_sms, timeout_ns):
-    """The attributes every intranode target decodes (exact widths: see xla_ffi/intranode.cc)."""
+def _config_attrs(group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns):
+    """The group and EPConfig attributes every intranode and low-latency target decodes (exact widths)."""
     return dict(group_id=np.int64(group_id), num_experts=np.int32(num_experts), hidden=np.int32(hidden),
                 num_topk=np.int32(num_topk), max_tokens_per_rank=np.int32(max_tokens_per_rank),
-                num_sms=np.int32(num_sms), timeout_ns=np.int64(timeout_ns))
+                timeout_ns=np.int64(timeout_ns))
+
+
+def group_attrs(*, group_id, num_experts, hidden, num_topk, max_tokens_per_rank, num_sms, timeout_ns):
+    """The attributes every intranode target decodes (see xla_ffi/intranode.cc)."""
+    return dict(_config_attrs(group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns),
+                num_sms=np.int32(num_sms))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_local_experts, attrs):
@@ -122,10 +129,9 @@ def combine(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_co
 
 # ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------
 def ll_attrs(*, group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns, ll_offset, ll_bytes):
-    """The attributes every low-latency target decodes (exact widths: see xla_ffi/low_latency.cc)."""
-    return dict(group_id=np.int64(group_id), num_experts=np.int32(num_experts), hidden=np.int32(hidden),
-                num_topk=np.int32(num_topk), max_tokens_per_rank=np.int32(max_tokens_per_rank),
-                timeout_ns=np.int64(timeout_ns), ll_offset=np.int64(ll_offset), ll_bytes=np.int64(ll_bytes))
+    """The attributes every low-latency target decodes (see xla_ffi/low_latency.cc)."""
+    return dict(_config_attrs(group_id, num_experts, hidden, num_topk, max_tokens_per_rank, timeout_ns),
+                ll_offset=np.int64(ll_offset), ll_bytes=np.int64(ll_bytes))
 
 
 def ll_dispatch_send(x, topk_idx, *, use_fp8: bool, attrs):
@@ -140,7 +146,7 @@ def ll_dispatch_recv(token, *, num_ranks, num_local_experts, use_fp8: bool, attr
     L, R = num_local_experts, num_ranks
     H = int(attrs["hidden"])
     rows = R * int(attrs["max_tokens_per_rank"])
-    S = H // 128 if use_fp8 else 0
+    S = H // FP8_BLOCK if use_fp8 else 0
     types = (
         result_type(token, (L, rows, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
         result_type(token, (L, rows, S), jnp.float32),

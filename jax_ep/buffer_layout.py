@@ -18,10 +18,10 @@ receives one slot per (peer, token) = num_ranks * max_tokens_per_rank rows. The 
 
 from __future__ import annotations
 
+from .config import FP8_BLOCK
+
 ALIGN = 256
-FP8_BLOCK = 128
-MAX_GROUP_RANKS = 8
-# Fixed part of the signal area: flags and counters (u32) for up to MAX_GROUP_RANKS peers.
+# Fixed part of the signal area: flags and counters (u32) for up to 8 peers (kMaxGroupRanks).
 SIGNAL_HEADER_BYTES = 1024
 
 

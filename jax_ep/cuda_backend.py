@@ -1,8 +1,9 @@
 """The CUDA backend: the backend interface of docs/API.md implemented with the native FFI targets.
 
 Called by jax_ep/ops.py inside `shard_map` over `cfg.axis_name`, after validation, with `num_ranks` = R static.
-The intranode group (staging buffers, peer access) comes from `jax_ep.runtime.group_id_for(cfg)`; each device's
-handler finds its own group and rank from that id and its device ordinal.
+The group (staging buffers and peer pointers: CUDA peer access with one process, NVSHMEM symmetric buffers with one
+process per GPU) comes from `jax_ep.runtime.group_id_for(cfg)`; each device's handler finds its own group and rank
+from that id and its device ordinal. Low-latency ops also get the runtime's low-latency region (offset, bytes).
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
 
 from . import reference, runtime
-from .config import FP8_BLOCK, EPConfig
+from .config import FP8_BLOCK, LOW_LATENCY_AUTO_MAX_TOKENS, EPConfig
 from .handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyCombinePending,
                      LowLatencyDispatchOutput, LowLatencyDispatchPending, LowLatencyHandle)
 from .validation import (EPError, check_array, check_fp8_hidden, check_handle, check_routing, check_tokens,
@@ -40,17 +41,14 @@ def _backend(cfg: EPConfig, fn: str):
     if fn.startswith("ll_") and not cfg.uses_low_latency_buffers():
         if cfg.backend == "auto":
             runtime._log_once(("no-ll-buffers", cfg), "jax_ep: %s has no low-latency buffers (max_tokens_per_rank > "
-                              "256 and low_latency_buffers=None); low-latency ops use the reference backend", cfg)
+                              "%d and low_latency_buffers=None); low-latency ops use the reference backend", cfg,
+                              LOW_LATENCY_AUTO_MAX_TOKENS)
             return reference
-        raise EPError(f"jax_ep: {fn}: EPConfig(low_latency_buffers=...) is off for this config (max_tokens_per_rank "
-                      f"= {cfg.max_tokens_per_rank} > 256 turns it off by default); pass low_latency_buffers=True "
-                      f"to run the low-latency ops on the CUDA backend")
-    if hasattr(module, fn):
-        return module
-    if cfg.backend == "auto":
-        runtime._log_once(("fallback", fn), "jax_ep: %s has no CUDA kernel yet; using the reference backend", fn)
-        return reference
-    raise EPError(f"jax_ep: {fn} has no CUDA implementation yet; use EPConfig(backend='reference' or 'auto')")
+        raise EPError(f"jax_ep: {fn}: this config has no low-latency buffers (low_latency_buffers="
+                      f"{cfg.low_latency_buffers}, max_tokens_per_rank={cfg.max_tokens_per_rank}; None turns them "
+                      f"off above {LOW_LATENCY_AUTO_MAX_TOKENS}); pass low_latency_buffers=True to run the "
+                      f"low-latency ops on the CUDA backend")
+    return module  # cuda_backend implements every function of the backend interface (docs/API.md)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,7 +157,9 @@ def _combine_vjp(cfg: EPConfig, num_ranks: int, with_weights: bool):
 # each public LL op's inputs take the previous LL op's output (same trace) through an optimization_barrier: the
 # ops run in the order the program called them. A send and its receive stay apart (send a, send b, recv a, recv b
 # keeps its order), so the split phases still overlap with other work.
-_ll_order: dict = {"trace": None, "last": None}
+# NOTE: per thread (each thread traces its own programs). It keeps the last LL op's output of the last trace alive
+# until the next LL op is traced (one value, bounded); jax_check_tracer_leaks would report that value.
+_ll_order = threading.local()
 
 
 def _current_trace():
@@ -170,7 +170,7 @@ def _current_trace():
 
 def _after_previous_ll_op(*operands):
     """operands, made to depend on the last LL op's output traced in the current trace (if any)."""
-    last = _ll_order["last"] if _ll_order["trace"] is _current_trace() else None
+    last = getattr(_ll_order, "last", None) if getattr(_ll_order, "trace", None) is _current_trace() else None
     if last is None:
         return operands
     *operands, _ = jax.lax.optimization_barrier((*operands, last))
@@ -178,7 +178,7 @@ def _after_previous_ll_op(*operands):
 
 
 def _record_ll_op(output):
-    _ll_order["trace"], _ll_order["last"] = _current_trace(), output
+    _ll_order.trace, _ll_order.last = _current_trace(), output
 
 
 def _check_ll_dispatch(op, x, topk_idx, cfg, use_fp8):

@@ -49,7 +49,7 @@ class Runtime:
     """What `initialize` set up. Printable; tests and the benchmark read it."""
 
     process_model: str  # "single-process" or "multi-process"
-    transport: str  # "xla-collectives" (reference) or "cuda-peer" (in-process peer access)
+    transport: str  # "xla-collectives" (reference), "cuda-peer" (in-process peer access) or "nvshmem"
     backends: dict  # EPConfig -> "reference" | "cuda"
     groups: dict  # (axis_name, mesh axis sizes) -> list[GroupInfo]
     buffer_bytes: int  # per device, allocated by jax_ep (0 for the reference backend)
@@ -61,7 +61,8 @@ class Runtime:
     low_latency_offset: int = 0
     low_latency_bytes: int = 0
     # One process per GPU with the CUDA backend: the NVSHMEM teams (dicts: kind, axis_name, group_index, nvl_index,
-    # pes, size, member, my_rank, n_pes) and the nvshmem_runtime.Transport that finalize tears down.
+    # num_max_nvl_peers, pes, ranks, size, start, stride, member, my_rank, n_pes) and the nvshmem_runtime.Transport
+    # that finalize tears down.
     teams: list = dataclasses.field(default_factory=list)
     nvshmem: Any = None
 

@@ -4,6 +4,8 @@ jax.ffi.ffi_call (under jit and inside shard_map on 8 CPU devices) against a Num
 Skips (with the reason printed) when the extension was not built, e.g. no CUDA toolkit at build time.
 """
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -64,7 +66,7 @@ def test_module_metadata():
 def test_layout_cpu_target_under_jit(T, K, E, R, mode):
     from jax_ep import _ffi
 
-    rng = np.random.default_rng(hash((T, K, E, R, mode)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((T, K, E, R, mode)).encode()))
     idx = routing(rng, T, K, E, mode)
     f = jax.jit(lambda i: _ffi.layout(i, num_experts=E, num_ranks=R))
     ntr, nte, itr = jax.device_get(f(jnp.asarray(idx)))
@@ -121,18 +123,3 @@ def test_low_latency_buffer_formula_matches_native():
     for args in [(7168, 128, 4, 288), (2048, 1, 2, 8), (7168, 64, 8, 256), (136, 3, 2, 6), (4096, 256, 8, 1024)]:
         assert m.low_latency_buffer_bytes(*args) == buffer_layout.low_latency_buffer_bytes(*args), args
 
-
-def test_low_latency_region_follows_the_largest_normal_region():
-    """The runtime's staging plan: [largest normal layout | largest low-latency region], LL only where enabled."""
-    from jax_ep import EPConfig, runtime
-
-    ll = EPConfig(288, 7168, 8, 128)
-    normal = EPConfig(256, 7168, 8, 4096)  # T_max > 256: no low-latency buffers by default
-    assert ll.uses_low_latency_buffers() and not normal.uses_low_latency_buffers()
-    assert EPConfig(256, 7168, 8, 4096, low_latency_buffers=True).uses_low_latency_buffers()
-    total, offset, ll_bytes = runtime.staging_plan([ll, normal], lambda c: 4)
-    want_normal = max(runtime.buffer_size_hint(c, 4).normal_bytes for c in (ll, normal))
-    assert offset == want_normal
-    assert ll_bytes == buffer_layout.low_latency_buffer_bytes(7168, 128, 4, 288)
-    assert total == offset + ll_bytes
-    assert runtime.buffer_size_hint(normal, 4).low_latency_bytes == 0

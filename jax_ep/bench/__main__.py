@@ -4,7 +4,7 @@
     python -m jax_ep.bench --mode low_latency                               # T=128 H=7168 K=8 E=288
     python -m jax_ep.bench --out bench_out                                  # JSON + PNG plot there
 
-Method (PERFORMANCE.md): per op, a jitted fori_loop of N chained calls, wall time / N, median of several loops;
+Method (PERFORMANCE.md): per op, a jitted, unrolled loop of N chained calls, wall time / N, median of several loops;
 bandwidth = bytes of rows this rank receives (local rows included; fp8 counts 1 byte per element + 4 per 128
 channels) / time, averaged over ranks. Without GPUs it runs small shapes on 8 emulated CPU devices and says so.
 """
@@ -122,11 +122,12 @@ def main(argv=None):
 
 def _size_nvshmem_heap(sweeps, args, ranks):
     """One process per GPU: NVSHMEM's symmetric heap is fixed by the first initialize of the process, and each sweep
-    initializes its own config; size the heap for the largest of them up front (unless the user set it)."""
-    from jax_ep import EPConfig, buffer_size_hint, nvshmem_runtime
+    adds its config to the runtime (same mesh), whose staging is the largest normal region plus the largest
+    low-latency region of all of them: size the heap for that up front (unless the user set it)."""
+    from jax_ep import EPConfig, nvshmem_runtime, runtime
 
-    need = max(buffer_size_hint(EPConfig(experts, args.hidden, args.topk, tokens, num_sms=args.num_sms),
-                                ranks).total_bytes for _, tokens, experts in sweeps)
+    configs = [EPConfig(experts, args.hidden, args.topk, tokens, num_sms=args.num_sms) for _, tokens, experts in sweeps]
+    need = runtime.staging_plan(configs, lambda c: ranks)[0]
     heap = nvshmem_runtime.nvshmem_environment(need, environ={})["NVSHMEM_SYMMETRIC_SIZE"]
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap))
 

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
+from jax_ep.config import FP8_BLOCK
 
 from . import baselines
 from .harness import feed_row, to_global
@@ -68,7 +69,7 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
     rows = _received_rows(idx, ranks, tokens, experts)
     idx = to_global(idx, mesh, P(AXIS))
     q, scales = jax.jit(jax_ep.fp8.quantize_blocks)(x)
-    bf16_bytes, fp8_bytes = rows * hidden * 2, rows * (hidden + hidden // 128 * 4)
+    bf16_bytes, fp8_bytes = rows * hidden * 2, rows * (hidden + hidden // FP8_BLOCK * 4)
     spec = P(AXIS)
 
     def ep_dispatch(x, idx, w):
@@ -171,7 +172,7 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
     def ll_dispatch_bf16(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False).recv_x
 
-    fp8_bytes, bf16_bytes = pairs * (hidden + hidden // 128 * 4), pairs * hidden * 2
+    fp8_bytes, bf16_bytes = pairs * (hidden + hidden // FP8_BLOCK * 4), pairs * hidden * 2
     cases = [
         Case("jax_ep LL dispatch fp8", "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2, fp8_bytes,
              first_call=True),

@@ -57,6 +57,9 @@ def main(argv=None):
 
     import jax_ep
 
+    from .contenders import deepep_routing
+    from .harness import to_global
+
     def sync(name):
         if nproc > 1:
             multihost_utils.sync_global_devices(f"jax_ep_prewarm_{name}")
@@ -72,18 +75,11 @@ def main(argv=None):
     cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", num_sms=a.num_sms)
 
     rng = np.random.default_rng(0)
-    scores = np.abs(rng.normal(size=(R * T, E))) + 1
-    idx = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
+    idx = deepep_routing(rng, R, T, E, K)
     w = rng.random(size=idx.shape).astype(np.float32)
     sh = NamedSharding(mesh, P("ep"))
-    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-
-    def put(v):
-        local = np.concatenate([v[i * T:(i + 1) * T] for i in mine])
-        return jax.make_array_from_process_local_data(sh, local, v.shape)
-
     x = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16), out_shardings=sh)(jax.random.key(1))
-    args = (x, put(idx), put(w))
+    args = (x, to_global(idx, mesh, P("ep")), to_global(w, mesh, P("ep")))
 
     def body(x, idx, w):
         if a.mode == "xla":  # control: a plain XLA program with the same inputs and output, no jax_ep

@@ -6,6 +6,8 @@ scripts/gpu_check.sh (which also runs the command-buffer variants and the saniti
 
 import os
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -74,7 +76,7 @@ def test_matches_reference(case):
         pytest.skip(f"needs {R} GPUs")
     group = _group(R)
     cfg = _cfg(R, T_max, H, K, E, cap)
-    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     x, s, idx, w = h.inputs(rng, R, T, H, K, E, mode, fp8)
     res = h.run_case(group, cfg, R, x, s, idx, w)
     n_recv = np.asarray(res["cuda"]["dispatch"].num_recv_tokens).ravel()
