@@ -53,7 +53,7 @@ def experts_ragged(rows, recv_topk_idx, recv_topk_weights, w_in, w_out):
     capacity, num_topk = recv_topk_idx.shape
     num_local = w_in.shape[0]
     pair_expert = recv_topk_idx.reshape(-1)
-    order = jax_ep.reference.stable_argsort(jnp.where(pair_expert >= 0, pair_expert, num_local))
+    order = jax_ep.backends.reference.stable_argsort(jnp.where(pair_expert >= 0, pair_expert, num_local))
     group_sizes = jnp.sum(pair_expert[:, None] == jnp.arange(num_local), axis=0, dtype=jnp.int32)
     pair_rows = (order // num_topk).astype(jnp.int32)
     lhs = rows[pair_rows].astype(jnp.float32)

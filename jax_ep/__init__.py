@@ -1,25 +1,29 @@
 """jax_ep: expert-parallel (MoE) dispatch/combine for JAX.
 
-Ops run inside `jax.shard_map` over `EPConfig.axis_name`; see README.md and docs/API.md.
+Ops run inside `jax.shard_map` over `EPConfig.axis_name`; see README.md, docs/API.md and docs/SPEC.md.
+Layers (docs/ARCHITECTURE.md): this package's top level is the public API (config, ops_normal, ops_low_latency,
+handle, low_latency_state); backends/ runs the ops; runtime/ sets up transports; launch/ starts processes.
 """
 
-from .config import EPConfig
-from .handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyCombinePending,
-                     LowLatencyDispatchOutput, LowLatencyDispatchPending, LowLatencyHandle)
-from .ops import (combine, dispatch, get_dispatch_layout, low_latency_combine, low_latency_combine_recv,
-                  low_latency_combine_send, low_latency_dispatch, low_latency_dispatch_recv,
-                  low_latency_dispatch_send)
-from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize
 from . import fp8
-from .validation import EPError, EPTypeError
+from .config import EPConfig
+from .errors import EPError, EPTypeError
+from .handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyCombinePending,
+                     LowLatencyDispatchOutput, LowLatencyDispatchPending, LowLatencyHandle, LowLatencyState)
+from .ops_low_latency import (check_low_latency_state, low_latency_combine, low_latency_combine_recv,
+                              low_latency_combine_send, low_latency_dispatch, low_latency_dispatch_recv,
+                              low_latency_dispatch_send, low_latency_state)
+from .ops_normal import combine, dispatch, get_dispatch_layout
+from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EPConfig", "initialize", "finalize", "buffer_size_hint", "Runtime", "BufferSizeHint",
     "get_dispatch_layout", "dispatch", "combine",
+    "low_latency_state", "check_low_latency_state", "LowLatencyState",
     "low_latency_dispatch", "low_latency_combine", "low_latency_dispatch_send", "low_latency_dispatch_recv",
     "low_latency_combine_send", "low_latency_combine_recv",
     "DispatchLayout", "DispatchOutput", "DispatchHandle", "LowLatencyDispatchOutput", "LowLatencyHandle",
-    "LowLatencyDispatchPending", "LowLatencyCombinePending", "EPError", "EPTypeError",
+    "LowLatencyDispatchPending", "LowLatencyCombinePending", "EPError", "EPTypeError", "fp8",
 ]

@@ -1,8 +1,10 @@
 """Loads the native extension (jax_ep._jax_ep_native) when it was built, and registers its XLA FFI targets.
 
 `import jax_ep` never needs the extension: `available()` says whether it loaded and `load_error()` says why not.
-Registration is one loop over the module's `registrations()`; it runs once, at the first `ensure_registered()`
-(called by every jax_ep._ffi wrapper before it builds an `ffi_call`), so importing jax_ep touches no backend.
+Registration is one loop over the module's `state_types()` (the FFI state types of the stateful handlers, which
+must be known to XLA first) and one over `registrations()` (a capsule, or a dict of stage capsules for a stateful
+bundle); it runs once, at the first `ensure_registered()` (called by every jax_ep.backends._ffi wrapper before it
+builds an `ffi_call`, and by jax_ep.initialize), so importing jax_ep touches no backend.
 """
 
 from __future__ import annotations
@@ -53,11 +55,15 @@ def ensure_registered() -> list[tuple[str, str]]:
             return _registered
         import jax
 
+        m = module()
+        # NOTE: on CPU, jax.devices() must run before stateful registrations (jaxlib 0.10.2 ordering bug); harmless
+        # elsewhere. A "CUDA" registration made in a process without the CUDA plugin is kept by jaxlib and harmless.
+        jax.devices()
+        for type_name, registration in m.state_types():
+            jax.ffi.register_ffi_type(type_name, registration, platform="CUDA")
         done = []
-        for name, platform, capsule in module().registrations():
-            # NOTE: stateless handlers only (no type ids to register first). A "CUDA" registration made in a
-            # process without the CUDA plugin is kept by jaxlib and is harmless.
-            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        for name, platform, handler in m.registrations():
+            jax.ffi.register_ffi_target(name, handler, platform=platform)
             done.append((name, platform))
         _registered = done
         return done
@@ -73,4 +79,5 @@ def info() -> dict:
         "ffi_api_version": tuple(_module.ffi_api_version()),
         "cuda_runtime_version": _module.cuda_runtime_version(),
         "targets": [(n, p) for n, p, _ in _module.registrations()],
+        "state_types": [n for n, _ in _module.state_types()],
     }

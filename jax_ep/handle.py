@@ -5,6 +5,7 @@ Field meanings are documented in docs/API.md; every backend fills them identical
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
@@ -46,13 +47,35 @@ class LowLatencyDispatchOutput(NamedTuple):
     handle: LowLatencyHandle
 
 
-class LowLatencyDispatchPending(NamedTuple):
-    """What `low_latency_dispatch_send` leaves in flight for `low_latency_dispatch_recv` (backend-private arrays)."""
+class LowLatencyState(NamedTuple):
+    """Program order of the low-latency ops, as data (like a PRNG key): each LL op takes one and returns the next.
+
+    value [4] i32 = [seq, in_flight, error, 0]: LL ops this chain has run, sends of this chain waiting for their
+    receive (0..2), and a sticky error mask (jax_ep.check_low_latency_state decodes it). Make one with
+    `jax_ep.low_latency_state(cfg)` inside shard_map; docs/API.md shows the decode-loop pattern.
+    """
+
+    value: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowLatencyDispatchPending:
+    """What `low_latency_dispatch_send` leaves in flight for `low_latency_dispatch_recv`.
+
+    buffers: backend-private arrays; state: the chain state after the send (the receive continues from it when it
+    is given no state); use_fp8: static (part of the pytree structure, not an array).
+    """
 
     buffers: tuple
+    state: LowLatencyState
+    use_fp8: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
-class LowLatencyCombinePending(NamedTuple):
-    """What `low_latency_combine_send` leaves in flight for `low_latency_combine_recv` (backend-private arrays)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowLatencyCombinePending:
+    """What `low_latency_combine_send` leaves in flight for `low_latency_combine_recv` (see the dispatch one)."""
 
     buffers: tuple
+    state: LowLatencyState

@@ -9,12 +9,12 @@ import numpy as np
 from .config import FP8_BLOCK, EPConfig
 
 
-class EPError(ValueError):
-    """A jax_ep call got an argument it cannot use; the message names the argument."""
+from .errors import EPError, EPTypeError  # noqa: F401  (re-exported: validation is where callers look)
 
 
-class EPTypeError(EPError, TypeError):
-    """An argument has the wrong dtype."""
+def check_config(op: str, cfg) -> None:
+    if not isinstance(cfg, EPConfig):
+        raise EPError(f"jax_ep.{op}: cfg must be an EPConfig, got {type(cfg).__name__}")
 
 
 def group_size(cfg: EPConfig, op: str) -> int:

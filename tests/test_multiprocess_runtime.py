@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 import jax_ep
-from jax_ep import bootstrap, multiprocess, nvshmem_runtime, teams
+from jax_ep.runtime import agreement, nvshmem, nvshmem_env, teams
 from jax_ep.validation import EPError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,51 +90,51 @@ def test_team_budget():
 # NVSHMEM environment (the one place that decides NVSHMEM_* variables)
 # ---------------------------------------------------------------------------------------------------------
 def test_parse_size():
-    assert nvshmem_runtime.parse_size("1073741824") == 1 << 30
-    assert nvshmem_runtime.parse_size("2G") == 2 << 30
-    assert nvshmem_runtime.parse_size("512m") == 512 << 20
-    assert nvshmem_runtime.parse_size("64KB") == 64 << 10
+    assert nvshmem_env.parse_size("1073741824") == 1 << 30
+    assert nvshmem_env.parse_size("2G") == 2 << 30
+    assert nvshmem_env.parse_size("512m") == 512 << 20
+    assert nvshmem_env.parse_size("64KB") == 64 << 10
     with pytest.raises(EPError, match="cannot read NVSHMEM size '1.5G'"):
-        nvshmem_runtime.parse_size("1.5G")
+        nvshmem_env.parse_size("1.5G")
 
 
 def test_nvshmem_environment_defaults():
-    env = nvshmem_runtime.nvshmem_environment(10 << 20, {})
+    env = nvshmem_env.nvshmem_environment(10 << 20, {})
     assert env == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none",
                    "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}
-    big = nvshmem_runtime.nvshmem_environment(3 << 30, {})
+    big = nvshmem_env.nvshmem_environment(3 << 30, {})
     size = int(big["NVSHMEM_SYMMETRIC_SIZE"])
-    assert size >= (3 << 30) + nvshmem_runtime.HEAP_HEADROOM_BYTES and size % nvshmem_runtime.HEAP_ROUND_BYTES == 0
+    assert size >= (3 << 30) + nvshmem_env.HEAP_HEADROOM_BYTES and size % nvshmem_env.HEAP_ROUND_BYTES == 0
 
 
 def test_nvshmem_environment_respects_user_values_but_never_nvls():
     user = {"NVSHMEM_REMOTE_TRANSPORT": "ibgda", "NVSHMEM_SYMMETRIC_SIZE": "4G", "NVSHMEM_DISABLE_NVLS": "0"}
-    env = nvshmem_runtime.nvshmem_environment(1 << 30, user)
+    env = nvshmem_env.nvshmem_environment(1 << 30, user)
     assert env == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "ibgda", "NVSHMEM_SYMMETRIC_SIZE": "4G"}
 
 
 def test_nvshmem_environment_too_small_user_heap():
     with pytest.raises(EPError, match=r"NVSHMEM_SYMMETRIC_SIZE=1G \(1073741824 bytes\) is too small: these configs "
                                       r"need 2147483648 bytes"):
-        nvshmem_runtime.nvshmem_environment(2 << 30, {"NVSHMEM_SYMMETRIC_SIZE": "1G"})
+        nvshmem_env.nvshmem_environment(2 << 30, {"NVSHMEM_SYMMETRIC_SIZE": "1G"})
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the NVSHMEM module is optional
 # ---------------------------------------------------------------------------------------------------------
 def test_missing_nvshmem_module_gives_a_clear_error(monkeypatch):
-    monkeypatch.setattr(nvshmem_runtime, "_MODULE_NAME", "jax_ep._no_such_nvshmem_module")
-    monkeypatch.setitem(nvshmem_runtime._process, "module", None)
+    monkeypatch.setattr(nvshmem, "_MODULE_NAME", "jax_ep._no_such_nvshmem_module")
+    monkeypatch.setitem(nvshmem._process, "module", None)
     with pytest.raises(EPError, match=r"needs the NVSHMEM module jax_ep._jax_ep_nvshmem, which was not built .*"
                                       r"nvidia-nvshmem-cu13"):
-        nvshmem_runtime.module()
-    assert "was not built" in nvshmem_runtime.availability()
-    info = nvshmem_runtime.prepare(1 << 20)
+        nvshmem.module()
+    assert "was not built" in nvshmem.availability()
+    info = nvshmem.prepare(1 << 20)
     assert info["module"] != "available" and "initialized" not in info
 
 
 def test_import_jax_ep_does_not_load_nvshmem():
-    code = ("import sys, jax_ep; import jax_ep.runtime, jax_ep.nvshmem_runtime; "
+    code = ("import sys, jax_ep; import jax_ep.runtime, jax_ep.runtime.nvshmem; "
             "print('_jax_ep_nvshmem' in ' '.join(sys.modules), "
             "any('nvshmem_host' in l for l in open('/proc/self/maps')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -149,9 +149,9 @@ def test_differences_name_fields_and_processes():
     a = {"configs": [{"hidden": 128, "num_topk": 2}], "mesh": {"axis_names": ["ep"]}}
     b = {"configs": [{"hidden": 256, "num_topk": 2}], "mesh": {"axis_names": ["ep"]}}
     c = {"configs": [{"hidden": 128, "num_topk": 2}, {"hidden": 64, "num_topk": 2}], "mesh": {"axis_names": ["ep"]}}
-    assert bootstrap.differences({0: a, 1: a}) == []
-    assert bootstrap.differences({0: a, 1: b, 2: a}) == ["configs[0].hidden: 128 on processes [0, 2], 256 on process [1]"]
-    d = bootstrap.differences({0: a, 1: c})
+    assert agreement.differences({0: a, 1: a}) == []
+    assert agreement.differences({0: a, 1: b, 2: a}) == ["configs[0].hidden: 128 on processes [0, 2], 256 on process [1]"]
+    d = agreement.differences({0: a, 1: c})
     assert "configs.length: 1 on process [0], 2 on process [1]" in d
     assert "configs[1].hidden: '<missing>' on process [0], 64 on process [1]" in d
 
@@ -161,13 +161,13 @@ def test_fingerprint_of_a_cpu_mesh():
     mesh = Mesh(devices.reshape(2, 2), ("dp", "ep"))
     c1 = jax_ep.EPConfig(8, 128, 2, 16, backend="reference")
     c2 = jax_ep.EPConfig(8, 256, 2, 16, backend="reference")
-    fp = multiprocess.fingerprint(mesh, (c2, c1), {c1: "reference", c2: "reference"}, None)
-    assert fp == multiprocess.fingerprint(mesh, (c1, c2), {c1: "reference", c2: "reference"}, None)
+    fp = agreement.fingerprint(mesh, (c2, c1), {c1: "reference", c2: "reference"}, None)
+    assert fp == agreement.fingerprint(mesh, (c1, c2), {c1: "reference", c2: "reference"}, None)
     assert fp["mesh"] == {"axis_names": ["dp", "ep"], "shape": [2, 2], "device_ids": [d.id for d in devices],
                           "device_processes": [0, 0, 0, 0]}
     assert [c["hidden"] for c in fp["configs"]] == [128, 256]
-    groups = {"ep": jax_ep.runtime._groups_of(mesh, "ep")}
-    assert multiprocess.group_pes(mesh, groups) == {"ep": [(0, 0), (0, 0)]}
+    groups = {"ep": jax_ep.runtime.lifecycle._groups_of(mesh, "ep")}
+    assert agreement.group_pes(mesh, groups) == {"ep": [(0, 0), (0, 0)]}
 
 
 # ---------------------------------------------------------------------------------------------------------

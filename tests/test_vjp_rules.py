@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep import reference
+from jax_ep.backends import reference
 from helpers import ep_mesh, random_topk, sharded
 
 E, H, K, T = 8, 128, 3, 5
@@ -92,13 +92,13 @@ def test_low_latency_vjp_equals_autodiff(num_ranks):
             return g[0].astype(jnp.float32), g[1]
         return sharded(body, mesh, 5)(x, idx, w, cot_rows, cot_y)
 
+    state = jax_ep.LowLatencyState(jnp.zeros((4,), jnp.int32))  # plain autodiff: the state is not differentiated
+
     def ref_dispatch(x, idx):
-        pending = reference.ll_dispatch_send(x, idx, cfg, num_ranks, False)
-        return reference.ll_dispatch_recv(pending, cfg, num_ranks, False)
+        return reference.ll_dispatch(x, idx, state, cfg, num_ranks, False)[0]
 
     def ref_combine(out, idx, w, handle):
-        return reference.ll_combine_recv(reference.ll_combine_send(out, idx, w, handle, cfg, num_ranks), cfg,
-                                         num_ranks)
+        return reference.ll_combine(out, idx, w, handle, state, cfg, num_ranks)[0]
 
     ops = program(lambda x, i: jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False),
                   lambda o, i, w, h: jax_ep.low_latency_combine(o, i, w, h, cfg))

@@ -22,6 +22,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+
+import jax_ep  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .contenders import low_latency_contenders, normal_contenders  # noqa: E402
@@ -75,8 +77,7 @@ def main(argv=None):
         sweeps += [("normal", t, args.experts) for t in args.tokens]
     if args.mode in ("low_latency", "all"):
         sweeps += [("low_latency", t, args.ll_experts) for t in args.ll_tokens]
-    if nproc > 1 and gpus:
-        _size_nvshmem_heap(sweeps, args, len(devices))
+    _initialize_all(sweeps, args, devices)
     for mode, tokens, experts in sweeps:
         maker = normal_contenders if mode == "normal" else low_latency_contenders
         cases = maker(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
@@ -120,16 +121,15 @@ def main(argv=None):
     return 0
 
 
-def _size_nvshmem_heap(sweeps, args, ranks):
-    """One process per GPU: NVSHMEM's symmetric heap is fixed by the first initialize of the process, and each sweep
-    adds its config to the runtime (same mesh), whose staging is the largest normal region plus the largest
-    low-latency region of all of them: size the heap for that up front (unless the user set it)."""
-    from jax_ep import EPConfig, nvshmem_runtime, runtime
+def _initialize_all(sweeps, args, devices):
+    """One initialize with every config of the run, before the first sweep: the runtime is sized once (largest
+    normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep."""
+    from .contenders import bench_config, bench_mesh
 
-    configs = [EPConfig(experts, args.hidden, args.topk, tokens, num_sms=args.num_sms) for _, tokens, experts in sweeps]
-    need = runtime.staging_plan(configs, lambda c: ranks)[0]
-    heap = nvshmem_runtime.nvshmem_environment(need, environ={})["NVSHMEM_SYMMETRIC_SIZE"]
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap))
+    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms)
+               for _, tokens, experts in sweeps]
+    if configs:
+        jax_ep.initialize(bench_mesh(devices), *configs)
 
 
 def low_latency_phases(devices, args, rng):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep.reference import stable_argsort
+from jax_ep.backends.reference import stable_argsort
 
 I32 = jnp.int32
 

@@ -52,11 +52,20 @@ def _received_rows(idx, ranks, tokens, experts):
     return in_rank.sum() / ranks
 
 
+def bench_mesh(devices) -> Mesh:
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def bench_config(tokens, hidden, topk, experts, backend, num_sms) -> jax_ep.EPConfig:
+    """The config of one sweep (the same object everywhere: __main__ initializes all of them up front)."""
+    return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
+
+
 def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms):
     """Mesh, initialized config, DeepEP routing (numpy, for byte counts) and the sharded-to-be inputs."""
-    mesh = Mesh(np.array(devices), (AXIS,))
-    cfg = jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
-    jax_ep.initialize(mesh, cfg)
+    mesh = bench_mesh(devices)
+    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms)
+    jax_ep.initialize(mesh, cfg)  # a no-op when __main__ initialized every config of the run already
     idx = deepep_routing(rng, len(devices), tokens, experts, topk)
     spec = P(AXIS)
     x = to_global(_random((len(devices) * tokens, hidden), rng), mesh, spec)
@@ -206,16 +215,16 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, mat
     three back to back (send -> recv -> matmul) and the matmul alone. Data dependencies fix the order."""
     spec = P(AXIS)
     a = _random((mesh.devices.size * matmul_n, matmul_n), rng)
-    Pending = jax_ep.LowLatencyDispatchPending
 
     def matmul(a):
         return jnp.dot(a, a, preferred_element_type=jnp.float32)
 
     def dispatch_overlapped(x, idx, a):
-        pending = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=True)
-        marker, token = pending.buffers
-        m = matmul(_after(a, token))
-        out = jax_ep.low_latency_dispatch_recv(Pending((marker, _after(token, m))), cfg)
+        pending, state = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=True,
+                                                          state=jax_ep.low_latency_state(cfg))
+        m = matmul(_after(a, state.value))  # the matmul runs after the send ...
+        state = jax_ep.LowLatencyState(_after(state.value, m))  # ... and the receive after the matmul
+        out, _ = jax_ep.low_latency_dispatch_recv(pending, cfg, state=state)
         return _after(m, out.recv_x_scales)
 
     def dispatch_back_to_back(x, idx, a):
@@ -224,10 +233,11 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, mat
 
     def combine_overlapped(expert_out, idx, w, src_info, layout_range, a):
         handle = jax_ep.LowLatencyHandle(src_info, layout_range)
-        pending = jax_ep.low_latency_combine_send(expert_out, idx, w, handle, cfg)
-        token, idx2, w2 = pending.buffers
-        m = matmul(_after(a, token))
-        y = jax_ep.low_latency_combine_recv(jax_ep.LowLatencyCombinePending((_after(token, m), idx2, w2)), cfg)
+        pending, state = jax_ep.low_latency_combine_send(expert_out, idx, w, handle, cfg,
+                                                         state=jax_ep.low_latency_state(cfg))
+        m = matmul(_after(a, state.value))
+        state = jax_ep.LowLatencyState(_after(state.value, m))
+        y, _ = jax_ep.low_latency_combine_recv(pending, cfg, state=state)
         return _after(m, y)
 
     def combine_back_to_back(expert_out, idx, w, src_info, layout_range, a):

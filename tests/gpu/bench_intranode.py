@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import cuda_backend, reference
+from jax_ep.backends import reference
+from intranode_harness import cuda_backend
 from jax_ep.config import EPConfig
 
 N, REPS = 20, 5

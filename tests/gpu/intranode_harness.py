@@ -1,8 +1,8 @@
 """Shared helpers of the GPU tests / benchmark / sanitizer run of the intranode CUDA backend.
 
-The CUDA backend is driven directly (jax_ep.cuda_backend inside shard_map) against jax_ep.reference on the same
-GPUs, with a group made here through the native module; jax_ep.runtime.group_id_for is pointed at that group, so
-these checks depend only on the backend interface of docs/API.md.
+The CUDA backend is driven directly (jax_ep.backends.cuda inside shard_map) against jax_ep.backends.reference on the
+same GPUs, after jax_ep.initialize made the groups and bound the mesh axis "ep" (the handlers find their buffers by
+axis name), so these checks depend only on the Backend protocol of jax_ep/backends/base.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import _native, buffer_layout, cuda_backend, reference, runtime
+import jax_ep
+from jax_ep import _native
+from jax_ep.backends import reference
 from jax_ep.config import EPConfig
 
-
-_ORIGINAL_GROUP_ID_FOR = runtime.group_id_for
+cuda_backend = jax_ep.backends.load_cuda() if _native.available() else None
 
 
 def gpu_devices():
@@ -60,27 +61,21 @@ def assert_grads_close(got, want, names, rtol=1e-2):
 
 
 class Group:
-    """An intranode group over the first R GPUs, made big enough for `configs`; installs itself as the group that
-    jax_ep.runtime.group_id_for returns."""
+    """The runtime over the first R GPUs (mesh axis "ep"), initialized for `configs` (backend="cuda")."""
 
     def __init__(self, num_ranks: int, configs):
         self.devices = gpu_devices()[:num_ranks]
         self.mesh = jax.make_mesh((num_ranks,), ("ep",), devices=self.devices)
-        nbytes = max(buffer_layout.normal_buffer_bytes(
-            hidden=c.hidden, num_topk=c.num_topk, max_tokens_per_rank=c.max_tokens_per_rank, num_ranks=num_ranks,
-            capacity=c.capacity(num_ranks), num_experts=c.num_experts) for c in configs)
-        ordinals = [int(getattr(d, "local_hardware_id", d.id)) for d in self.devices]
-        self.id = _native.module().intranode_create_group(ordinals, nbytes)
-        self.info = _native.module().intranode_group_info(self.id)
+        self.configs = list(configs)
         self.activate()
+        self.info = self.runtime.summary()
 
     def activate(self):
-        """Makes jax_ep.runtime.group_id_for return this group (read at trace time by cuda_backend)."""
-        runtime.group_id_for = lambda cfg: self.id
+        """Makes this the current runtime (a no-op when it already is; another mesh finalizes the previous one)."""
+        self.runtime = jax_ep.initialize(self.mesh, *self.configs)
 
     def close(self):
-        runtime.group_id_for = _ORIGINAL_GROUP_ID_FOR
-        _native.module().intranode_destroy_group(self.id)
+        jax_ep.finalize()
 
     def shard(self, a):
         return jax.device_put(jnp.asarray(a), NamedSharding(self.mesh, P("ep")))

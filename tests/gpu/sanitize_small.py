@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import cuda_backend
+from intranode_harness import cuda_backend
 from jax_ep.config import EPConfig
 
 

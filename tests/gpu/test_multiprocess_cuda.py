@@ -31,7 +31,8 @@ def _gpu_count() -> int:
 
 
 def _require(n):
-    from jax_ep import _native, nvshmem_runtime
+    from jax_ep import _native
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
 
     if not _native.available():
         pytest.skip(f"native extension not built: {_native.load_error()}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .validation import EPError
+from ..errors import EPError
 
 # Teams NVSHMEM makes for itself at init (world, shared, node, same-mype-node, same-gpu, gpu-leaders, ...) count
 # against NVSHMEM_MAX_TEAMS too; running out is fatal inside NVSHMEM, so plans keep this margin.

@@ -12,24 +12,20 @@ works with a fresh set of keys.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 import time
 
-from .validation import EPError
+import jax
+
+from ..errors import EPError
+from .kv import client
 
 KEY_PREFIX = "jax_ep"
 _MISSING = "<missing>"
-
-
-def client():
-    """The jax.distributed client (key-value store, barriers); EPError when the job has none."""
-    from jax._src import distributed
-
-    c = distributed.global_state.client
-    if c is None:
-        raise EPError("jax_ep: several JAX processes but no jax.distributed client; call jax.distributed.initialize "
-                      "(python -m jax_ep.launch + jax_ep.launch.init_from_env() do) before jax_ep.initialize")
-    return c
+_generation_lock = threading.Lock()
+_generation = [0]
 
 
 def key(generation: int, *parts) -> str:
@@ -125,3 +121,53 @@ def barrier(generation: int, name: str, timeout_s: float) -> None:
     except Exception as e:
         raise EPError(f"jax_ep: not every process reached {name!r} (generation {generation}) within "
                       f"{timeout_s:g} s: {type(e).__name__}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what initialize agrees on
+# ---------------------------------------------------------------------------------------------------------------
+def next_generation() -> int:
+    """A number per multi-process initialize of this process (the same on every process of a job that calls
+    initialize the same number of times, which the agreement checks by waiting on the same keys)."""
+    with _generation_lock:
+        _generation[0] += 1
+        return _generation[0]
+
+
+def timeout_of(configs) -> float:
+    return max(float(c.timeout_seconds) for c in configs)
+
+
+def group_pes(mesh, groups) -> dict:
+    """axis -> [tuple of world PEs (jax process index of each rank's device), one per EP group]."""
+    owner = {int(d.id): int(d.process_index) for d in mesh.devices.flat}
+    return {axis: [tuple(owner[d] for d in g.device_ids) for g in gs] for axis, gs in groups.items()}
+
+
+def fingerprint(mesh, configs, backends, transport: dict | None) -> dict:
+    """What every process must agree on (JSON-able). Configs are sorted so their order in the call does not matter."""
+    ordered = sorted(configs, key=repr)
+    return {
+        "jax_ep_version": _version(),
+        "mesh": {"axis_names": [str(a) for a in mesh.axis_names], "shape": [int(s) for s in mesh.devices.shape],
+                 "device_ids": [int(d.id) for d in mesh.devices.flat],
+                 "device_processes": [int(d.process_index) for d in mesh.devices.flat]},
+        "configs": [dataclasses.asdict(c) for c in ordered],
+        "backends": [backends[c] for c in ordered],
+        "transport": transport,
+    }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("jax_ep")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (source tree on sys.path)
+        return "unknown"
+
+
+def agree_on_setup(generation: int, mesh, configs, backends, transport: dict | None) -> None:
+    """Every process checks that all processes are about to set up the same runtime (EPError naming differences)."""
+    agree(generation, "initialize", fingerprint(mesh, configs, backends, transport), jax.process_index(),
+          jax.process_count(), timeout_of(configs))

@@ -7,36 +7,38 @@ into `Runtime.timings`), all collective and made in the same order on every proc
                 Once per process: NVSHMEM stays up across `jax_ep.finalize()` (see `shutdown`).
   2. teams      one team per EP group, plus the NVLink-local-index sub teams when R > num_max_nvl_peers (teams.py).
   3. allocate   one zeroed symmetric buffer per mesh axis (nvshmem_align, sized like the single-process staging);
-                nvshmem_ptr of every rank of this process's group -> jax_ep's external group, so the same kernels
-                as in one process run over these peer pointers (load/store over NVLink, no NVSHMEM device code).
+                nvshmem_ptr of every rank of this process's group -> a native external group, so the same kernels
+                as in one process run over these peer pointers.
   4. warmup     one device-side barrier through jax_ep's own kernels on every group.
 
+A leaf of the runtime: it never imports the lifecycle above it (the lifecycle's exit hook calls `shutdown`).
 NVSHMEM is loaded lazily from the separate module jax_ep._jax_ep_nvshmem: `import jax_ep` never loads it, and asking
-for this mode without it gives an EPError that says what is missing. `nvshmem_environment` is the one place that
-decides NVSHMEM_* variables.
+for this mode without it gives an EPError that says what is missing. nvshmem_env.py decides the NVSHMEM_* variables.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
-import re
 import threading
 import time
 
-from . import bootstrap, teams as teams_mod
-from .validation import EPError
+import jax
+
+from .. import _native
+from ..errors import EPError
+from . import agreement, teams as teams_mod
+from .nvshmem_env import HEAP_HEADROOM_BYTES, nvshmem_environment, parse_size
 
 log = logging.getLogger("jax_ep")
 
 _MODULE_NAME = f"{__package__}._jax_ep_nvshmem"
 _lock = threading.RLock()
 # NVSHMEM's process-wide state as jax_ep sees it: the heap size fixed at init, whether the exit hook is in place.
-_process: dict = {"module": None, "heap_bytes": None, "exit_hook": False, "exit_timeout_s": 100.0}
+_process: dict = {"module": None, "heap_bytes": None, "exit_timeout_s": 100.0}
 
 # ---------------------------------------------------------------------------------------------------------
 # the module
@@ -72,52 +74,6 @@ def availability() -> str:
         return str(e)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# environment: the one place that decides NVSHMEM_* variables
-# ---------------------------------------------------------------------------------------------------------
-HEAP_HEADROOM_BYTES = 256 << 20  # NVSHMEM's own symmetric allocations (team psync arrays, collectives scratch)
-HEAP_MIN_BYTES = 1 << 30  # NVSHMEM's default symmetric size
-HEAP_ROUND_BYTES = 512 << 20
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgGtT]?)[bB]?\s*$")
-
-
-def parse_size(text: str) -> int:
-    """NVSHMEM's size syntax: an integer with an optional binary suffix k, m, g or t ('2G', '512M', '1073741824')."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise EPError(f"jax_ep: cannot read NVSHMEM size {text!r} (expected an integer with an optional k/m/g/t "
-                      f"suffix, e.g. '4G')")
-    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
-
-
-def nvshmem_environment(required_heap_bytes: int, environ=None) -> dict:
-    """The NVSHMEM_* variables jax_ep runs NVSHMEM with, decided here and nowhere else (applied before NVSHMEM init).
-
-    - NVSHMEM_DISABLE_NVLS=1, always, whatever was set: NVLink multicast must never be used (SPEC §6).
-    - NVSHMEM_REMOTE_TRANSPORT=none unless set: jax_ep moves data only over NVLink through nvshmem_ptr peer
-      pointers, so a remote (NIC) transport is never needed, and with no NIC its init fails noisily.
-    - NVSHMEM_SYMMETRIC_SIZE: unless set, large enough for jax_ep's buffers plus NVSHMEM's own (at least NVSHMEM's
-      1 GiB default); a user value smaller than what the configs need is an EPError naming both numbers.
-    Every other NVSHMEM variable is left to the user.
-    """
-    environ = os.environ if environ is None else environ
-    need = int(required_heap_bytes) + HEAP_HEADROOM_BYTES
-    env = {"NVSHMEM_DISABLE_NVLS": "1",
-           "NVSHMEM_REMOTE_TRANSPORT": environ.get("NVSHMEM_REMOTE_TRANSPORT") or "none"}
-    user = environ.get("NVSHMEM_SYMMETRIC_SIZE")
-    if user:
-        if parse_size(user) < need:
-            raise EPError(f"jax_ep.initialize: NVSHMEM_SYMMETRIC_SIZE={user} ({parse_size(user)} bytes) is too small: "
-                          f"these configs need {required_heap_bytes} bytes of symmetric buffers plus "
-                          f"{HEAP_HEADROOM_BYTES} for NVSHMEM itself = {need} bytes; raise it or unset it (jax_ep "
-                          f"then sizes the heap)")
-        env["NVSHMEM_SYMMETRIC_SIZE"] = user
-    else:
-        env["NVSHMEM_SYMMETRIC_SIZE"] = str(max(HEAP_MIN_BYTES, -(-need // HEAP_ROUND_BYTES) * HEAP_ROUND_BYTES))
-    return env
-
-
 def _apply_environment(env: dict) -> None:
     for k, v in env.items():
         old = os.environ.get(k)
@@ -145,8 +101,8 @@ class Team:
 
 
 @dataclasses.dataclass
-class Transport:
-    """What the NVSHMEM setup of one runtime holds (Runtime.nvshmem)."""
+class NvshmemTransport:
+    """What the NVSHMEM setup of one runtime holds (the runtime.transport.Transport protocol)."""
 
     pe: int
     n_pes: int
@@ -158,6 +114,49 @@ class Transport:
     heap_bytes: int
     version: str
     generation: int
+    name: str = "nvshmem"
+
+    @classmethod
+    def connect(cls, generation: int, mesh, groups: dict, cuda_configs, buffer_bytes: int,
+                timings: dict) -> "NvshmemTransport":
+        """Collective: NVSHMEM (once per process), teams, symmetric buffers, external groups, warm-up."""
+        ordinal = local_ordinal(mesh)
+        pes_by_axis = agreement.group_pes(mesh, groups)
+        axes = sorted({c.axis_name for c in cuda_configs})
+        nvl: dict = {}
+        for c in cuda_configs:
+            nvl.setdefault(c.axis_name, set()).add(c.num_max_nvl_peers)
+        plan = teams_mod.plan_teams({a: pes_by_axis[a] for a in axes}, nvl)
+        teams_mod.check_team_budget(plan)
+        return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
+                     device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
+                     timeout_s=agreement.timeout_of(cuda_configs), timings=timings)
+
+    def set_id(self, axis: str) -> int:
+        return self.native_ids[axis]  # one process per GPU: this process's group is its own set
+
+    def group_ids(self) -> list[int]:
+        return list(self.native_ids.values())
+
+    def summary(self) -> dict:
+        return {"transport": self.name, "pe": self.pe, "n_pes": self.n_pes, "buffer_bytes": self.buffer_bytes,
+                "heap_bytes": self.heap_bytes, "nvshmem": self.version, "teams": [t.summary() for t in self.teams]}
+
+    def teardown(self, timeout_s: float) -> None:
+        teardown(self, timeout_s)
+
+
+def local_ordinal(mesh) -> int:
+    """CUDA ordinal of this process's one device of the mesh (EPError unless there is exactly one)."""
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if len(mine) != 1:
+        counts: dict = {}
+        for d in mesh.devices.flat:
+            counts[int(d.process_index)] = counts.get(int(d.process_index), 0) + 1
+        raise EPError(f"jax_ep.initialize: the CUDA backend with several processes needs exactly one GPU of the mesh "
+                      f"per process (one NVSHMEM PE each); mesh devices per process: {counts}. Start one process "
+                      f"per GPU (python -m jax_ep.launch -n N) or drive all local GPUs from one process")
+    return int(getattr(mine[0], "local_hardware_id", mine[0].id))
 
 
 def prepare(required_heap_bytes: int) -> dict:
@@ -183,32 +182,25 @@ def prepare(required_heap_bytes: int) -> dict:
 
 
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
-          process_id: int, num_processes: int, timeout_s: float, timings: dict) -> Transport:
+          process_id: int, num_processes: int, timeout_s: float, timings: dict) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
     axes: the mesh axes with CUDA configs, in the order buffers are allocated.
     """
-    from . import _native
-
     m = module()
     t = time.perf_counter()
     if not m.initialized():
         env = nvshmem_environment(buffer_bytes * len(axes))
         _apply_environment(env)
         uid = m.get_unique_id() if process_id == 0 else None
-        uid = bootstrap.broadcast_bytes(generation, "nvshmem_unique_id", uid, process_id, timeout_s)
+        uid = agreement.broadcast_bytes(generation, "nvshmem_unique_id", uid, process_id, timeout_s)
         try:
             m.init(process_id, num_processes, uid, device_ordinal)
         except RuntimeError as e:
             raise EPError(f"jax_ep.initialize: NVSHMEM init failed on process {process_id}: {e}") from None
         _process["heap_bytes"] = parse_size(env["NVSHMEM_SYMMETRIC_SIZE"])
         _process["exit_timeout_s"] = timeout_s
-        if not _process["exit_hook"]:
-            # Registered after jax.distributed's own exit hook, so it runs first (atexit is LIFO) while the
-            # key-value store that bounds its barrier is still up.
-            atexit.register(_at_exit)
-            _process["exit_hook"] = True
         timings["bootstrap"] = time.perf_counter() - t
     elif m.my_pe() != process_id or m.n_pes() != num_processes:
         raise EPError(f"jax_ep.initialize: NVSHMEM runs as PE {m.my_pe()} of {m.n_pes()} in this process, but the "
@@ -250,14 +242,14 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                 raise EPError(f"jax_ep.initialize: NVSHMEM gives no load/store pointer from process {process_id} to "
                               f"processes {[pe for pe, p in zip(pes, peers) if not p]} of its EP group on axis "
                               f"{axis!r}: jax_ep's kernels need every rank of a group on NVLink/P2P")
-            native_ids[axis] = _native.module().intranode_register_external_group(
+            native_ids[axis] = _native.module().group_register_external(
                 device_ordinal, pes.index(process_id), peers, buffer_bytes, -1)
         timings["allocate"] = time.perf_counter() - t
 
         t = time.perf_counter()
         timeout_ns = int(timeout_s * 1e9)
         for axis in axes:
-            _native.module().intranode_warmup_group(native_ids[axis], timeout_ns)
+            _native.module().group_warmup(native_ids[axis], timeout_ns)
         timings["warmup"] = time.perf_counter() - t
     except BaseException:
         # NOTE: a failure above is usually local to this process, so only local state is released here (no NVSHMEM
@@ -265,29 +257,27 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
         # releases them when it is finalized at exit.
         for nid in native_ids.values():
             try:
-                _native.module().intranode_destroy_group(nid)
+                _native.module().group_destroy(nid)
             except Exception:
                 pass
         raise
-    return Transport(pe=process_id, n_pes=num_processes, device_ordinal=device_ordinal, teams=made,
+    return NvshmemTransport(pe=process_id, n_pes=num_processes, device_ordinal=device_ordinal, teams=made,
                      buffers=buffers, native_ids=native_ids, buffer_bytes=buffer_bytes,
                      heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation)
 
 
-def teardown(transport: Transport, timeout_s: float) -> None:
+def teardown(transport: NvshmemTransport, timeout_s: float) -> None:
     """Collective: every process meets (bounded, through the key-value store), then the groups are unregistered,
     the buffers freed and the teams destroyed. NVSHMEM itself stays up for the next initialize (see shutdown)."""
-    from . import _native
-
     m = module()
     errors = []
     for nid in transport.native_ids.values():
         try:
-            _native.module().intranode_destroy_group(nid)
+            _native.module().group_destroy(nid)
         except Exception as e:  # keep going: the collective steps below must run on every process
             errors.append(f"destroy group {nid}: {e}")
     transport.native_ids.clear()
-    bootstrap.barrier(transport.generation, "finalize", timeout_s)
+    agreement.barrier(transport.generation, "finalize", timeout_s)
     for axis in list(transport.buffers):
         m.free(transport.buffers.pop(axis))
     for team in reversed(transport.teams):
@@ -311,22 +301,9 @@ def shutdown(timeout_s: float | None = None) -> bool:
         return False
     timeout_s = _process["exit_timeout_s"] if timeout_s is None else timeout_s
     try:
-        bootstrap.barrier(-1, "nvshmem_finalize", timeout_s)
+        agreement.barrier(-1, "nvshmem_finalize", timeout_s)
     except EPError as e:
         log.warning("jax_ep: NVSHMEM not finalized at exit (%s)", e)
         return False
     m.finalize()
     return True
-
-
-def _at_exit() -> None:
-    from . import runtime
-
-    try:
-        runtime.finalize()
-    except Exception as e:  # noqa: BLE001 - never raise from an exit hook
-        log.warning("jax_ep: finalize at exit failed: %s", e)
-    try:
-        shutdown()
-    except Exception as e:  # noqa: BLE001
-        log.warning("jax_ep: NVSHMEM shutdown at exit failed: %s", e)

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import fp8
-from .config import EPConfig
-from .handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput,
-                     LowLatencyHandle)
+from .. import fp8
+from .. import low_latency_order as ll_state
+from ..config import EPConfig
+from ..handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput,
+                      LowLatencyHandle, LowLatencyState)
 
 I32 = jnp.int32
 
@@ -241,7 +242,15 @@ def _per_pair(back, idx, num_ranks):
     return jnp.where((idx >= 0)[..., None], vals, 0.0)
 
 
-def ll_dispatch_send(x, topk_idx, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def _masked_weights(idx, topk_weights):
+    """Weights of masked (-1 / out-of-range) top-k slots are ignored entirely: 0, even where the weight is NaN."""
+    return jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
+
+
+# The state machine of low_latency_order.py: the reference backend moves data with XLA collectives (no shared
+# buffers, nothing to deadlock) but applies the same state transitions, so both backends report the same errors.
+def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    """-> (buffers: the exchanged slots + mask, next state)."""
     idx = sanitize_topk(topk_idx, cfg.num_experts)
     mask = _ll_slot_mask(idx, cfg, num_ranks)  # [R, L, T_max]
     payload = fp8.quantize_blocks(x) if use_fp8 else (x,)
@@ -250,11 +259,23 @@ def ll_dispatch_send(x, topk_idx, cfg: EPConfig, num_ranks: int, use_fp8: bool):
         part = _pad_tokens(part, cfg.max_tokens_per_rank, axis=0)
         full = jnp.broadcast_to(part[None, None], mask.shape + part.shape[1:])
         slots.append(jnp.where(mask.reshape(mask.shape + (1,)), full, jnp.zeros((), full.dtype)))
-    return tuple(_exchange(s, cfg) for s in slots) + (_exchange(mask, cfg),)
+    buffers = tuple(_exchange(s, cfg) for s in slots) + (_exchange(mask, cfg),)
+    return buffers, ll_state.after_send(state)
 
 
-def ll_dispatch_recv(pending, cfg: EPConfig, num_ranks: int, use_fp8: bool) -> LowLatencyDispatchOutput:
-    *received, recv_mask = pending  # already exchanged by ll_dispatch_send
+def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    """-> (LowLatencyDispatchOutput, next state)."""
+    return _ll_unpack(buffers, cfg, num_ranks, use_fp8), ll_state.after_recv(state)
+
+
+def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    """Fused dispatch: send and receive in one op (one state step)."""
+    buffers, _ = ll_dispatch_send(x, topk_idx, state, cfg, num_ranks, use_fp8)
+    return _ll_unpack(buffers, cfg, num_ranks, use_fp8), ll_state.after_fused(state)
+
+
+def _ll_unpack(buffers, cfg, num_ranks, use_fp8) -> LowLatencyDispatchOutput:
+    *received, recv_mask = buffers  # already exchanged by ll_dispatch_send
     rows_list, recv_count, handle = [], None, None
     for part in received:
         rows, recv_count, handle = _ll_compact(part, recv_mask, cfg, num_ranks)
@@ -278,13 +299,28 @@ def _ll_compact(recv, recv_mask, cfg, num_ranks):
     return rows, recv_count, handle
 
 
-def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
+                    cfg: EPConfig, num_ranks: int):
+    """-> (buffers: rows back at their sources + the routing, next state)."""
     back = ll_to_sources(expert_out, handle, cfg, num_ranks)
-    return back, sanitize_topk(topk_idx, cfg.num_experts), topk_weights.astype(jnp.float32)
+    idx = sanitize_topk(topk_idx, cfg.num_experts)
+    return (back, idx, _masked_weights(idx, topk_weights)), ll_state.after_send(state)
 
 
-def ll_combine_recv(pending, cfg: EPConfig, num_ranks: int):
-    back, idx, weights = pending
+def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
+    """-> (y [T, H] bf16, next state)."""
+    return _ll_weighted_sum(buffers, num_ranks), ll_state.after_recv(state)
+
+
+def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
+               num_ranks: int):
+    """Fused combine: send and receive in one op (one state step)."""
+    buffers, _ = ll_combine_send(expert_out, topk_idx, topk_weights, handle, state, cfg, num_ranks)
+    return _ll_weighted_sum(buffers, num_ranks), ll_state.after_fused(state)
+
+
+def _ll_weighted_sum(buffers, num_ranks):
+    back, idx, weights = buffers
     per_pair = _per_pair(back, idx, num_ranks)  # [T, K, H] f32
     return jnp.einsum("tk,tkh->th", weights, per_pair, precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
 
@@ -306,10 +342,10 @@ def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLate
     dy = dy.astype(jnp.float32)
     # d expert_out at the row of (t, e) = sum over k naming e of w[t, k] * dy[t].
     onehot = (idx[:, :, None] == jnp.arange(cfg.num_experts, dtype=I32)).astype(jnp.float32)  # [T, K, E]
-    coeff = jnp.einsum("tk,tke->et", topk_weights.astype(jnp.float32), onehot, precision=lax.Precision.HIGHEST)
+    coeff = jnp.einsum("tk,tke->et", _masked_weights(idx, topk_weights), onehot, precision=lax.Precision.HIGHEST)
     per_slot = coeff[:, :, None] * dy[None]  # [E, T, H]
     slots = _pad_tokens(per_slot.reshape(num_ranks, -1, *per_slot.shape[1:]), cfg.max_tokens_per_rank, axis=2)
     d_rows, _, _ = ll_to_experts(slots, _ll_slot_mask(idx, cfg, num_ranks), cfg, num_ranks)
     back = ll_to_sources(expert_out, handle, cfg, num_ranks)
     d_weights = jnp.einsum("th,tkh->tk", dy, _per_pair(back, idx, num_ranks), precision=lax.Precision.HIGHEST)
-    return d_rows.astype(expert_out.dtype), d_weights
+    return d_rows.astype(expert_out.dtype), jnp.where(idx >= 0, d_weights, 0.0)

@@ -1,0 +1,201 @@
+"""Thin `jax.ffi.ffi_call` wrappers: one function per native FFI target, nothing else.
+
+Each wrapper takes arrays and static Python values, turns the values into numpy-typed attributes (the C++ side
+decodes exact widths: i32 vs i64 mismatches fail only at execution time), and builds result types from
+`jax.typeof(operand)` so results keep the operands' varying-manual-axes type inside `shard_map` (a plain
+ShapeDtypeStruct would come out replicated and break custom_vjp).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _native
+from ..config import FP8_BLOCK
+
+
+def result_type(like, shape, dtype):
+    """Abstract value with `like`'s varying manual axes, and the given shape and dtype."""
+    aval = jax.typeof(like)
+    shape = tuple(int(s) for s in shape)
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) != len(shape):
+        # Keep the mesh (manual axes) but give the spec the result's rank: replicated in every local dimension.
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(*([None] * len(shape))))
+        return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
+    return aval.update(shape=shape, dtype=jnp.dtype(dtype))
+
+
+def _call(target, result_types, *operands, has_side_effect=False, input_output_aliases=None, **attrs):
+    _native.ensure_registered()
+    return jax.ffi.ffi_call(target, result_types, has_side_effect=has_side_effect,
+                            input_output_aliases=input_output_aliases)(*operands, **attrs)
+
+
+# ---- attributes: one builder; the native side decodes them as one struct per mode (xla_ffi/attrs.h) --------------
+def normal_attrs(cfg) -> dict:
+    """NormalAttrs: what the normal-mode targets decode. They say *what* (config, axis), never *where*: each
+    device's handler resolves its group and buffers from the axis binding made by jax_ep.initialize."""
+    return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
+                num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
+                num_sms=np.int32(cfg.num_sms), timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)))
+
+
+def low_latency_attrs(cfg, use_fp8: bool = False) -> dict:
+    """LowLatencyAttrs: what every low-latency target decodes (use_fp8 is ignored by the combine targets)."""
+    return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
+                num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
+                timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)), use_fp8=np.int32(bool(use_fp8)))
+
+
+# ---- jax_ep_layout_v1 ----------------------------------------------------------------------------------------
+def layout(topk_idx, *, num_experts: int, num_ranks: int):
+    """-> (num_tokens_per_rank [R] i32, num_tokens_per_expert [E] i32, is_token_in_rank [T, R] bool)."""
+    T = topk_idx.shape[0]
+    types = (
+        result_type(topk_idx, (num_ranks,), jnp.int32),
+        result_type(topk_idx, (num_experts,), jnp.int32),
+        result_type(topk_idx, (T, num_ranks), jnp.bool_),
+    )
+    return _call("jax_ep_layout_v1", types, topk_idx, num_experts=np.int32(num_experts), num_ranks=np.int32(num_ranks))
+
+
+# ---- intranode normal mode (CUDA only) ---------------------------------------------------------------------------
+def _varying_axes(x):
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def match_varying(*xs):
+    """Gives every operand the union of the operands' varying manual axes (ffi_call requires them equal)."""
+    axes = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if missing:
+            x = jax.lax.pcast(x, missing, to="varying")
+        out.append(x)
+    return out
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_local_experts, attrs):
+    """jax_ep_dispatch_v2. x_scales [T, S] f32 (S = 0 for bf16). Returns the 11 results in binding order:
+    recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens, num_recv_tokens_per_expert,
+    send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset."""
+    x, x_scales, topk_idx, topk_weights = match_varying(x, x_scales, topk_idx, topk_weights)
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    S = x_scales.shape[1]
+    C, R, L = capacity, num_ranks, num_local_experts
+    i32, f32 = jnp.int32, jnp.float32
+    types = (
+        result_type(x, (C, H), x.dtype),
+        result_type(x, (C, S), f32),
+        result_type(x, (C, K), i32),
+        result_type(x, (C, K), f32),
+        result_type(x, (), i32),
+        result_type(x, (L,), i32),
+        result_type(x, (T, R), i32),
+        result_type(x, (C,), i32),
+        result_type(x, (C,), i32),
+        result_type(x, (R,), i32),
+        result_type(x, (R,), i32),
+    )
+    return _call("jax_ep_dispatch_v2", types, x, x_scales, topk_idx, topk_weights, **attrs)
+
+
+def cached_dispatch(payload, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset,
+                    *, attrs):
+    """jax_ep_cached_dispatch_v2. weights [T, Kw] f32 (Kw = 0: none). -> (recv [C, W], recv_weights [C, Kw])."""
+    ops = match_varying(payload, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset)
+    payload, weights = ops[0], ops[1]
+    C = recv_src_idx.shape[0]
+    types = (result_type(payload, (C, payload.shape[1]), payload.dtype),
+             result_type(payload, (C, weights.shape[1]), jnp.float32))
+    return _call("jax_ep_cached_dispatch_v2", types, *ops, **attrs)
+
+
+def combine(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset, *, attrs):
+    """jax_ep_combine_v2. weights [C, Kw] f32 (Kw = 0: none). -> (y [T, W], y_weights [T, Kw])."""
+    ops = match_varying(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset)
+    values, weights = ops[0], ops[1]
+    T = send_pos.shape[0]
+    types = (result_type(values, (T, values.shape[1]), values.dtype),
+             result_type(values, (T, weights.shape[1]), jnp.float32))
+    return _call("jax_ep_combine_v2", types, *ops, **attrs)
+
+
+# ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------
+# Every LL target takes the state [4] s32 as its last operand and returns the next state as its last result, aliased
+# (in place). has_side_effect keeps XLA from dropping an LL call whose results look unused: a dropped receive would
+# leave its send in flight on the device.
+I32 = jnp.int32
+
+
+def _ll_call(target, result_types, *operands, attrs):
+    n = len(operands)
+    return _call(target, result_types, *operands, has_side_effect=True,
+                 input_output_aliases={n - 1: len(result_types) - 1}, **attrs)
+
+
+def _dispatch_result_types(like, *, num_ranks, num_local_experts, attrs):
+    L, R = num_local_experts, num_ranks
+    H = int(attrs["hidden"])
+    rows = R * int(attrs["max_tokens_per_rank"])
+    use_fp8 = bool(attrs["use_fp8"])
+    S = H // FP8_BLOCK if use_fp8 else 0
+    return (
+        result_type(like, (L, rows, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
+        result_type(like, (L, rows, S), jnp.float32),
+        result_type(like, (L,), I32),
+        result_type(like, (L, rows), I32),
+        result_type(like, (L, R), I32),
+        result_type(like, (4,), I32),
+    )
+
+
+def ll_dispatch(x, topk_idx, state, *, num_ranks, num_local_experts, attrs):
+    """jax_ep_ll_dispatch_v2 (send + receive in one call) -> (recv_x, recv_x_scales [L, rows, S], recv_count,
+    src_info, layout_range, state)."""
+    x, topk_idx, state = match_varying(x, topk_idx, state)
+    types = _dispatch_result_types(x, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
+    return _ll_call("jax_ep_ll_dispatch_v2", types, x, topk_idx, state, attrs=attrs)
+
+
+def ll_dispatch_send(x, topk_idx, state, *, attrs):
+    """jax_ep_ll_dispatch_send_v2 -> (token [4], state)."""
+    x, topk_idx, state = match_varying(x, topk_idx, state)
+    types = (result_type(x, (4,), I32), result_type(x, (4,), I32))
+    return _ll_call("jax_ep_ll_dispatch_send_v2", types, x, topk_idx, state, attrs=attrs)
+
+
+def ll_dispatch_recv(token, state, *, num_ranks, num_local_experts, attrs):
+    """jax_ep_ll_dispatch_recv_v2 -> (recv_x, recv_x_scales, recv_count, src_info, layout_range, state)."""
+    token, state = match_varying(token, state)
+    types = _dispatch_result_types(token, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
+    return _ll_call("jax_ep_ll_dispatch_recv_v2", types, token, state, attrs=attrs)
+
+
+def ll_combine(expert_out, src_info, layout_range, topk_idx, topk_weights, state, *, attrs):
+    """jax_ep_ll_combine_v2 (send + receive in one call) -> (y [T, H] bf16, state)."""
+    ops = match_varying(expert_out, src_info, layout_range, topk_idx, topk_weights, state)
+    T, H = topk_idx.shape[0], int(attrs["hidden"])
+    types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
+    return _ll_call("jax_ep_ll_combine_v2", types, *ops, attrs=attrs)
+
+
+def ll_combine_send(expert_out, src_info, layout_range, state, *, attrs):
+    """jax_ep_ll_combine_send_v2 -> (token [4], state)."""
+    ops = match_varying(expert_out, src_info, layout_range, state)
+    types = (result_type(ops[0], (4,), I32), result_type(ops[0], (4,), I32))
+    return _ll_call("jax_ep_ll_combine_send_v2", types, *ops, attrs=attrs)
+
+
+def ll_combine_recv(token, topk_idx, topk_weights, state, *, attrs):
+    """jax_ep_ll_combine_recv_v2 -> (y [T, H] bf16, state)."""
+    ops = match_varying(token, topk_idx, topk_weights, state)
+    T, H = topk_idx.shape[0], int(attrs["hidden"])
+    types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
+    return _ll_call("jax_ep_ll_combine_recv_v2", types, *ops, attrs=attrs)

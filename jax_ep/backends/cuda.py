@@ -1,0 +1,128 @@
+"""The CUDA backend: the Backend protocol (base.py) implemented with the native FFI targets.
+
+Called by the ops modules inside `shard_map` over `cfg.axis_name`, after validation, with `num_ranks` = R static.
+Nothing here knows where buffers live: the attributes carry the config and the axis name (_ffi.normal_attrs /
+low_latency_attrs) and every device's handler resolves its group, rank and staging from the axis binding that
+jax_ep.initialize made. So a compiled or exported program outlives a later initialize.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..config import EPConfig
+from ..handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput, LowLatencyHandle,
+                      LowLatencyState)
+from ..low_latency_order import initial
+from . import _ffi, reference
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+I32 = jnp.int32
+
+
+def _none_like(rows):
+    """A [N, 0] f32 operand standing for "no weights / no scales" (keeps `rows`' varying axes)."""
+    return rows[:, :0].astype(F32)
+
+
+def layout(topk_idx, cfg: EPConfig, num_ranks: int) -> DispatchLayout:
+    ntr, nte, itr = _ffi.layout(topk_idx.astype(I32), num_experts=cfg.num_experts, num_ranks=num_ranks)
+    return DispatchLayout(num_tokens_per_rank=ntr, num_tokens_per_expert=nte, is_token_in_rank=itr)
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, cfg: EPConfig, num_ranks: int) -> DispatchOutput:
+    fp8 = x_scales is not None
+    scales = x_scales.astype(F32) if fp8 else _none_like(topk_weights.astype(F32))
+    (recv_x, recv_scales, recv_idx, recv_w, n_recv, n_per_expert, send_pos, src_idx, src_rank, rank_counts,
+     row_offset) = _ffi.dispatch(
+        x, scales, topk_idx.astype(I32), topk_weights.astype(F32), num_ranks=num_ranks,
+        capacity=cfg.capacity(num_ranks), num_local_experts=cfg.num_local_experts(num_ranks),
+        attrs=_ffi.normal_attrs(cfg))
+    handle = DispatchHandle(send_pos=send_pos, recv_src_idx=src_idx, recv_src_rank=src_rank,
+                            recv_rank_counts=rank_counts, send_row_offset=row_offset)
+    return DispatchOutput(recv_x=recv_x, recv_x_scales=recv_scales if fp8 else None, recv_topk_idx=recv_idx,
+                          recv_topk_weights=recv_w, num_recv_tokens=n_recv, num_recv_tokens_per_expert=n_per_expert,
+                          handle=handle)
+
+
+def cached_dispatch(payload, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
+    w = weights.astype(F32) if weights is not None else _none_like(payload)
+    recv, recv_w = _ffi.cached_dispatch(payload, w, *handle, attrs=_ffi.normal_attrs(cfg))
+    return recv, (recv_w if weights is not None else None)
+
+
+def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
+    w = weights.astype(F32) if weights is not None else _none_like(values)
+    y, y_w = _ffi.combine(values, w, *handle, attrs=_ffi.normal_attrs(cfg))
+    return y, (y_w if weights is not None else None)
+
+
+# ---- low-latency mode: every op threads the state (low_latency_order.py); the kernels apply the same rules ------
+def _dispatch_output(results, use_fp8: bool):
+    recv_x, scales, count, src_info, layout_range, state = results
+    out = LowLatencyDispatchOutput(recv_x=recv_x, recv_x_scales=scales if use_fp8 else None, recv_count=count,
+                                   handle=LowLatencyHandle(src_info=src_info, layout_range=layout_range))
+    return out, LowLatencyState(state)
+
+
+def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    results = _ffi.ll_dispatch(x, topk_idx.astype(I32), state.value, num_ranks=num_ranks,
+                               num_local_experts=cfg.num_local_experts(num_ranks),
+                               attrs=_ffi.low_latency_attrs(cfg, use_fp8))
+    return _dispatch_output(results, use_fp8)
+
+
+def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    """-> ((token,), next state)."""
+    token, st = _ffi.ll_dispatch_send(x, topk_idx.astype(I32), state.value,
+                                      attrs=_ffi.low_latency_attrs(cfg, use_fp8))
+    return (token,), LowLatencyState(st)
+
+
+def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    (token,) = buffers
+    results = _ffi.ll_dispatch_recv(token, state.value, num_ranks=num_ranks,
+                                    num_local_experts=cfg.num_local_experts(num_ranks),
+                                    attrs=_ffi.low_latency_attrs(cfg, use_fp8))
+    return _dispatch_output(results, use_fp8)
+
+
+def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
+               num_ranks: int):
+    y, st = _ffi.ll_combine(expert_out, handle.src_info, handle.layout_range, topk_idx.astype(I32),
+                            topk_weights.astype(F32), state.value, attrs=_ffi.low_latency_attrs(cfg))
+    return y, LowLatencyState(st)
+
+
+def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
+                    cfg: EPConfig, num_ranks: int):
+    """-> ((token, topk_idx, topk_weights), next state): the receive needs the routing again."""
+    token, st = _ffi.ll_combine_send(expert_out, handle.src_info, handle.layout_range, state.value,
+                                     attrs=_ffi.low_latency_attrs(cfg))
+    return (token, topk_idx.astype(I32), topk_weights.astype(F32)), LowLatencyState(st)
+
+
+def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
+    token, topk_idx, topk_weights = buffers
+    y, st = _ffi.ll_combine_recv(token, topk_idx, topk_weights, state.value, attrs=_ffi.low_latency_attrs(cfg))
+    return y, LowLatencyState(st)
+
+
+def ll_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+    """d x of bf16 LL dispatch = an LL combine of the row cotangents with weight 1 on the first k naming each
+    distinct expert (a token sent once to an expert gets that row's cotangent once). A fused op: its own state."""
+    idx = reference.sanitize_topk(topk_idx, cfg.num_experts)
+    K = idx.shape[1]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # earlier[k, j]: j < k
+    repeated = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier[None], axis=2)
+    weights = ((idx >= 0) & ~repeated).astype(F32)
+    y, _ = ll_combine(cot_rows.astype(BF16), idx, weights, handle, initial(), cfg, num_ranks)
+    return y
+
+
+def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
+                         num_ranks: int):
+    """(d expert_out, d topk_weights) of LL combine. NOTE: moves data with the reference backend's XLA collectives
+    (no dedicated kernel yet); results are the reference's exactly."""
+    return reference.ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle, cfg, num_ranks)
