@@ -11,7 +11,8 @@ state [4] i32 = [seq, in_flight, error, 0]
          in_flight += 1
   recv   (dispatch_recv, combine_recv): in_flight -= 1 (not below 0)
   fused  (dispatch, combine): in_flight >= 2 -> error |= CHAIN_OVERSUBSCRIBED; else seq += 1
-  An op whose input state has error != 0 changes nothing and does no work (the error is sticky).
+  The error word is sticky. On the CUDA backend a send or fused op whose output error is not 0 does no work (its
+  outputs are unspecified), and a receive works exactly when its own send worked, so the device recovers.
 The CUDA kernels apply exactly these rules to the same words (cuda/kernels/ll_kernels.cu) and add one device-side
 check the reference backend cannot have: DEVICE_OVERSUBSCRIBED when the device already has two LL ops in flight
 (a state was used twice, or LL ops of independent chains were reordered), instead of deadlocking.
@@ -55,12 +56,9 @@ def _manual_axes() -> frozenset:
 
 
 def _update(value, ok, seq_delta, in_flight_delta):
-    error = value[ERROR]
-    live = error == 0
-    bad = live & ~ok
-    seq = jnp.where(live & ok, value[SEQ] + seq_delta, value[SEQ])
-    in_flight = jnp.where(live & ok, jnp.maximum(value[IN_FLIGHT] + in_flight_delta, 0), value[IN_FLIGHT])
-    error = error | jnp.where(bad, CHAIN_OVERSUBSCRIBED, 0).astype(jnp.int32)
+    seq = jnp.where(ok, value[SEQ] + seq_delta, value[SEQ])
+    in_flight = jnp.where(ok, jnp.maximum(value[IN_FLIGHT] + in_flight_delta, 0), value[IN_FLIGHT])
+    error = value[ERROR] | jnp.where(ok, 0, CHAIN_OVERSUBSCRIBED).astype(jnp.int32)
     return jnp.stack([seq, in_flight, error, value[3]]).astype(jnp.int32)
 
 

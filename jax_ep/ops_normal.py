@@ -12,6 +12,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._select import backend_for
 from .config import FP8_BLOCK, EPConfig
@@ -43,7 +44,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
              x_scales: Optional[jax.Array] = None) -> DispatchOutput:
     """Sends each token once to every rank that holds one of its experts (inside shard_map over cfg.axis_name).
 
-    x [T, H] bf16 (or float8_e4m3fn with x_scales [T, H//128] f32), topk_idx [T, K] i32, topk_weights [T, K] f32.
+    x [T, H] bf16 or f32 (f32 is rounded to bf16 before it is sent; dx then comes back f32), or float8_e4m3fn with
+    x_scales [T, H//128] f32; topk_idx [T, K] i32, topk_weights [T, K] f32.
     Returns DispatchOutput: recv_x [C, H], recv_x_scales (fp8 only), recv_topk_idx [C, K] (local ids, -1 elsewhere),
     recv_topk_weights [C, K], num_recv_tokens () i32, num_recv_tokens_per_expert [L] i32, handle. Rows are ordered by
     source rank, then token index; rows beyond num_recv_tokens are padding (0 / -1). Differentiable in x and
@@ -52,7 +54,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     op = "dispatch"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
-    check_array(op, "x", x, (None, cfg.hidden), (BF16, FP8))
+    check_array(op, "x", x, (None, cfg.hidden), (BF16, F32, FP8))
     num_tokens = x.shape[0]
     check_tokens(op, "x", num_tokens, cfg)
     check_routing(op, topk_idx, topk_weights, num_tokens, cfg)
@@ -63,15 +65,16 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
         check_array(op, "x_scales", x_scales, (num_tokens, cfg.hidden // FP8_BLOCK), (F32,))
         return _dispatch_fp8_vjp(cfg, num_ranks)(x, x_scales, topk_idx, topk_weights)
     if x_scales is not None:
-        raise EPError(f"jax_ep.{op}: x_scales must be None when x is bfloat16 (got an array)")
-    return _dispatch_vjp(cfg, num_ranks)(x, topk_idx, topk_weights)
+        raise EPError(f"jax_ep.{op}: x_scales must be None when x is {x.dtype} (got an array)")
+    return _dispatch_vjp(cfg, num_ranks, x.dtype == F32)(x, topk_idx, topk_weights)
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_vjp(cfg: EPConfig, num_ranks: int):
+def _dispatch_vjp(cfg: EPConfig, num_ranks: int, f32_input: bool):
     @jax.custom_vjp
     def fn(x, topk_idx, topk_weights):
-        return backend_for(cfg, "dispatch").dispatch(x, None, topk_idx, topk_weights, cfg, num_ranks)
+        # bf16 on the wire; an f32 x is rounded to bf16 here, on the sending rank (docs/API.md, f32 activations)
+        return backend_for(cfg, "dispatch").dispatch(x.astype(BF16), None, topk_idx, topk_weights, cfg, num_ranks)
 
     def fwd(x, topk_idx, topk_weights):
         out = fn(x, topk_idx, topk_weights)
@@ -81,8 +84,10 @@ def _dispatch_vjp(cfg: EPConfig, num_ranks: int):
         handle, recv_topk_idx = res
         # recv_topk_weights[row, k] is topk_weights[t, k] only where k's expert lives on the receiving rank.
         w_cot = jnp.where(recv_topk_idx >= 0, cot.recv_topk_weights, 0.0)
-        dx, dw = backend_for(cfg, "dispatch").combine(cot.recv_x, w_cot, handle, cfg, num_ranks)
-        return dx.astype(cot.recv_x.dtype), None, dw
+        # f32 input: the bf16 row cotangents are summed in f32 and returned unrounded (moved as f32 values)
+        rows = cot.recv_x.astype(F32) if f32_input else cot.recv_x
+        dx, dw = backend_for(cfg, "dispatch").combine(rows, w_cot, handle, cfg, num_ranks)
+        return dx.astype(F32 if f32_input else cot.recv_x.dtype), None, dw
 
     fn.defvjp(fwd, bwd)
     return fn
@@ -151,3 +156,30 @@ def _combine_vjp(cfg: EPConfig, num_ranks: int, with_weights: bool):
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def capacity_mask(topk_idx: jax.Array, cfg: EPConfig, capacity_per_expert: int) -> jax.Array:
+    """GShard-style token dropping: topk_idx [T, K] i32 with -1 for every (token, expert) pair beyond its expert's
+    capacity, pairs counted in token order (t ascending, then k). Local (no communication), inside or outside
+    shard_map. A token naming an expert twice is one pair (kept or dropped together). Ids outside [0, E) become -1.
+    Raises EPError naming the argument for a wrong shape/dtype or a negative capacity.
+    """
+    op = "capacity_mask"
+    check_config(op, cfg)
+    if isinstance(capacity_per_expert, bool) or not isinstance(capacity_per_expert, (int, np.integer)) or \
+            capacity_per_expert < 0:
+        raise EPError(f"jax_ep.{op}: capacity_per_expert must be an int >= 0, got {capacity_per_expert!r}")
+    num_tokens = topk_idx.shape[0] if getattr(topk_idx, "ndim", 0) >= 1 else 0
+    check_routing(op, topk_idx, None, num_tokens, cfg)
+    E, (T, K) = cfg.num_experts, topk_idx.shape
+    idx = jnp.where((topk_idx >= 0) & (topk_idx < E), topk_idx, -1).astype(jnp.int32)
+    same = idx[:, :, None] == idx[:, None, :]  # [T, K, K]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)[None]  # [1, k, j]: j < k
+    first = (idx >= 0) & ~jnp.any(same & earlier, axis=2)  # first slot naming its expert in the token
+    flat = idx.reshape(-1)
+    counted = (flat[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & first.reshape(-1)[:, None]  # [T*K, E]
+    before = jnp.cumsum(counted, axis=0, dtype=jnp.int32) - counted  # pairs of that expert strictly earlier
+    pos = jnp.take_along_axis(before, jnp.maximum(flat, 0)[:, None], axis=1)[:, 0].reshape(T, K)
+    kept_first = first & (pos < capacity_per_expert)
+    keep = kept_first | jnp.any(same & kept_first[:, None, :], axis=2)  # repeats follow their first slot
+    return jnp.where(keep & (idx >= 0), idx, -1)

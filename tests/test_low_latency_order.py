@@ -61,7 +61,7 @@ def test_state_transitions_written_out():
     assert np.asarray(s1.value).tolist() == [1, 1, 0, 0]
     assert np.asarray(s2.value).tolist() == [2, 2, 0, 0]
     assert np.asarray(s3.value).tolist() == [2, 2, ll_state.CHAIN_OVERSUBSCRIBED, 0]
-    assert np.asarray(ll_state.after_recv(s3).value).tolist() == [2, 2, 1, 0]  # sticky: nothing changes
+    assert np.asarray(ll_state.after_recv(s3).value).tolist() == [2, 1, 1, 0]  # the error is sticky
     assert np.asarray(ll_state.after_recv(s2).value).tolist() == [2, 1, 0, 0]
     assert np.asarray(ll_state.after_fused(s1).value).tolist() == [2, 1, 0, 0]
     assert np.asarray(ll_state.after_fused(s2).value).tolist() == [2, 2, 1, 0]

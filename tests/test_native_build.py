@@ -1,9 +1,12 @@
-"""The native extension as built on this machine: module metadata, and the CPU layout target through
-jax.ffi.ffi_call (under jit and inside shard_map on 8 CPU devices) against a NumPy computation.
+"""The native extension as built on this machine, on CPU: its module surface (native_interface.md §1), the staging
+arithmetic it owns, the axis bindings (no CUDA call), and the CPU layout target through jax.ffi.ffi_call (under jit
+and inside shard_map on 8 CPU devices) against a NumPy computation.
 
-Skips (with the reason printed) when the extension was not built, e.g. no CUDA toolkit at build time.
+Uses only the extension module and jax (not the rest of jax_ep), so it pins the native contract by itself. Skips,
+with the reason printed, when the extension was not built (e.g. no CUDA toolkit at build time).
 """
 
+import importlib
 import zlib
 
 import numpy as np
@@ -13,10 +16,162 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import _native, buffer_layout
+try:
+    native = importlib.import_module("jax_ep._jax_ep_native")
+    _skip_reason = None
+except ImportError as e:  # not built (JAX_EP_NATIVE=OFF, no CUDA toolkit at build time) or broken
+    native = None
+    _skip_reason = f"jax_ep native extension not importable: {e}"
+    print(_skip_reason)
 
-pytestmark = pytest.mark.skipif(
-    not _native.available(), reason=f"native extension not built: {_native.load_error()}")
+pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
+
+LAYOUT = "jax_ep_layout_v1"
+STATEFUL_TARGETS = {
+    "jax_ep_dispatch_v2", "jax_ep_cached_dispatch_v2", "jax_ep_combine_v2",
+    "jax_ep_ll_dispatch_v2", "jax_ep_ll_dispatch_send_v2", "jax_ep_ll_dispatch_recv_v2",
+    "jax_ep_ll_combine_v2", "jax_ep_ll_combine_send_v2", "jax_ep_ll_combine_recv_v2",
+}
+
+
+def _is_capsule(obj) -> bool:
+    return type(obj).__name__ == "PyCapsule"
+
+
+# ---- module surface ---------------------------------------------------------------------------------------------
+def test_module_metadata():
+    assert isinstance(native.version(), str)
+    major, minor = native.ffi_api_version()
+    assert major == 0 and minor >= 2
+    assert native.cuda_runtime_version() >= 12000
+    print("native:", native.version(), "FFI", (major, minor), "CUDA runtime", native.cuda_runtime_version())
+
+
+def test_registrations_list_v2_bundles_and_the_stateless_layout():
+    regs = native.registrations()
+    pairs = [(name, platform) for name, platform, _ in regs]
+    assert len(pairs) == len(set(pairs)), "a target is listed twice"
+    assert set(pairs) == {(LAYOUT, "cpu"), (LAYOUT, "CUDA")} | {(t, "CUDA") for t in STATEFUL_TARGETS}
+    for name, platform, handler in regs:
+        if name == LAYOUT:
+            assert _is_capsule(handler), (name, platform)
+        else:
+            assert isinstance(handler, dict) and set(handler) == {"instantiate", "execute"}, name
+            assert all(_is_capsule(h) for h in handler.values()), name
+    # No v1 group targets (group ids in attributes are gone).
+    assert not any(n.endswith("_v1") and n != LAYOUT for n, _ in pairs)
+
+
+def test_state_types_are_registrable_pairs():
+    types = native.state_types()
+    assert len(types) >= 1
+    names = [name for name, _ in types]
+    assert len(names) == len(set(names))
+    for name, reg in types:
+        assert isinstance(name, str) and name
+        assert set(reg) == {"type_id", "type_info"}
+        assert _is_capsule(reg["type_id"]) and _is_capsule(reg["type_info"])
+
+
+# ---- staging arithmetic, checked against numbers written out by hand -----------------------------------------------
+# Normal region (staging_layout.h), hidden=128, num_topk=2, T_max=4, R=2, capacity=10, E=8:
+#   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
+#   signals  align256(1024 + 4 * (R*R + E + 4R + 4) = 1120) = 1280
+#   payload  align256(10 * 4*128 = 5120)                    = 5120
+#   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
+#   total = 1280 + 5120 + 1024 = 7424
+# Low-latency region, hidden=128, T_max=4, R=2, E=8:
+#   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; flags: c_flags 0, d_flags 256, d_counts 512, rows at 768
+#   one half = align256(max(768 + E*T_max*288 = 9984, 768 + E*T_max*256 = 8960)) = 9984 (= 39 * 256)
+#   total = 4096 (scratch) + 2 * 9984 = 24064
+SMALL_NORMAL = dict(hidden=128, num_topk=2, max_tokens_per_rank=4, num_ranks=2, capacity=10, num_experts=8)
+SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
+
+
+def test_normal_buffer_bytes_by_hand():
+    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 7424
+    # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
+    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 1280 + 4096 + 4 * 256
+    # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
+    #   signals align256(1024 + 4*(16 + 256 + 16 + 4)) = 2304; payload 16384*28672 = 469762048;
+    #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
+    assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
+        2304 + 469762048 + 3670016 + 1048576 + 65536)
+
+
+def test_low_latency_buffer_bytes_by_hand():
+    assert native.low_latency_buffer_bytes(**SMALL_LL) == 24064
+    # H=7168 T_max=128 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840;
+    # half = align256(3840 + 288*128*14576 = 537333504) = 537333504 (> the combine rows' 3840 + 288*128*14336)
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == 4096 + 2 * 537333504
+
+
+def test_staging_plan_by_hand():
+    # [normal = max(normal) | LL = max(low_latency)], ll_offset = aligned end of the normal region
+    assert native.staging_plan([7424, 3000], [24576, 1024]) == (7424 + 24576, 7424, 24576)
+    assert native.staging_plan([7424], []) == (7424, 7424, 0)
+    # the normal region never ends before the signal header; ll_offset is 256-aligned
+    assert native.staging_plan([], []) == (1024, 1024, 0)
+    assert native.staging_plan([1000], [5120]) == (1024 + 5120, 1024, 5120)
+    assert native.staging_plan([1300], []) == (1536, 1536, 0)
+    plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
+    assert plan == (7424 + 24064, 7424, 24064)
+
+
+def test_staging_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 0})
+    with pytest.raises(ValueError, match="hidden must be positive"):
+        native.low_latency_buffer_bytes(**{**SMALL_LL, "hidden": -1})
+    with pytest.raises(ValueError, match=r"low_latency\[0\] must be >= 0"):
+        native.staging_plan([1024], [-5])
+
+
+# ---- axis bindings (no GPU needed) -------------------------------------------------------------------------------
+def test_bind_unbind_round_trip():
+    axis = "jax_ep_test_native_build_axis"
+    try:
+        assert axis not in native.bound_axes()
+        native.bind_axis(axis, 7, 7424, 24576)
+        assert native.bound_axes()[axis] == {"set_id": 7, "ll_offset": 7424, "ll_bytes": 24576}
+        native.bind_axis(axis, 9, 1024, 0)  # rebinding replaces
+        assert native.bound_axes()[axis] == {"set_id": 9, "ll_offset": 1024, "ll_bytes": 0}
+    finally:
+        native.unbind_axis(axis)
+    assert axis not in native.bound_axes()
+    native.unbind_axis(axis)  # unbinding an unbound axis is fine
+
+
+def test_bind_axis_rejects_bad_arguments():
+    axis = "jax_ep_test_native_build_bad"
+    with pytest.raises(ValueError, match="ll_offset must be a multiple of 256"):
+        native.bind_axis(axis, 1, 512, 4096)       # inside the signal header
+    with pytest.raises(ValueError, match="ll_offset must be a multiple of 256"):
+        native.bind_axis(axis, 1, 1030, 4096)      # misaligned
+    with pytest.raises(ValueError, match="set_id must be >= 0"):
+        native.bind_axis(axis, -1, 1024, 0)
+    with pytest.raises(ValueError, match="axis name is empty"):
+        native.bind_axis("", 1, 1024, 0)
+    assert axis not in native.bound_axes()
+
+
+# ---- the CPU layout target ----------------------------------------------------------------------------------------
+def _register_cpu_layout():
+    # Registering the same handler again is allowed by XLA (the jax_ep package registers the same capsule).
+    (handler,) = [h for n, p, h in native.registrations() if (n, p) == (LAYOUT, "cpu")]
+    jax.ffi.register_ffi_target(LAYOUT, handler, platform="cpu")
+
+
+def layout(topk_idx, num_experts, num_ranks):
+    _register_cpu_layout()
+    T = topk_idx.shape[0]
+    out = (jax.ShapeDtypeStruct((num_ranks,), jnp.int32), jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+           jax.ShapeDtypeStruct((T, num_ranks), jnp.bool_))
+    return jax.ffi.ffi_call(LAYOUT, out)(topk_idx, num_experts=np.int32(num_experts), num_ranks=np.int32(num_ranks))
+
+
+def on_cpu(a):
+    return jax.device_put(np.asarray(a), jax.local_devices(backend="cpu")[0])
 
 
 def numpy_layout(topk_idx, num_experts, num_ranks):
@@ -47,29 +202,13 @@ def routing(rng, T, K, E, mode):
     return ids
 
 
-def test_module_metadata():
-    m = _native.module()
-    print("native info:", _native.info())
-    assert isinstance(m.version(), str)
-    major, minor = m.ffi_api_version()
-    assert major == 0 and minor >= 1
-    assert m.cuda_runtime_version() >= 12000
-    regs = m.registrations()
-    names = {(n, p) for n, p, _ in regs}
-    assert ("jax_ep_layout_v1", "cpu") in names and ("jax_ep_layout_v1", "CUDA") in names
-    assert all(n.endswith("_v1") for n, _, _ in regs)
-    assert ("jax_ep_layout_v1", "cpu") in _native.ensure_registered()
-
-
 @pytest.mark.parametrize("T,K,E,R", [(1, 1, 8, 2), (17, 8, 64, 4), (300, 4, 32, 8), (0, 2, 16, 4), (64, 16, 256, 8)])
 @pytest.mark.parametrize("mode", ["random", "distinct", "messy"])
 def test_layout_cpu_target_under_jit(T, K, E, R, mode):
-    from jax_ep import _ffi
-
     rng = np.random.default_rng(zlib.crc32(repr((T, K, E, R, mode)).encode()))
     idx = routing(rng, T, K, E, mode)
-    f = jax.jit(lambda i: _ffi.layout(i, num_experts=E, num_ranks=R))
-    ntr, nte, itr = jax.device_get(f(jnp.asarray(idx)))
+    f = jax.jit(lambda i: layout(i, E, R))
+    ntr, nte, itr = jax.device_get(f(on_cpu(idx)))
     rn, re, ri = numpy_layout(idx, E, R)
     assert ntr.dtype == np.int32 and nte.dtype == np.int32 and itr.dtype == np.bool_
     np.testing.assert_array_equal(ntr, rn)
@@ -78,8 +217,6 @@ def test_layout_cpu_target_under_jit(T, K, E, R, mode):
 
 
 def test_layout_cpu_target_in_shard_map():
-    from jax_ep import _ffi
-
     n = 8
     if len(jax.devices("cpu")) < n:
         pytest.skip(f"needs {n} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count={n})")
@@ -89,7 +226,7 @@ def test_layout_cpu_target_in_shard_map():
     idx = routing(rng, n * T, K, E, "messy")
 
     def body(i):
-        ntr, nte, itr = _ffi.layout(i, num_experts=E, num_ranks=R)
+        ntr, nte, itr = layout(i, E, R)
         return ntr[None], nte[None], itr
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=(P("ep"), P("ep"), P("ep"))))
@@ -102,24 +239,6 @@ def test_layout_cpu_target_in_shard_map():
 
 
 def test_layout_rejects_bad_attrs():
-    from jax_ep import _ffi
-
-    idx = jnp.zeros((4, 2), jnp.int32)
+    idx = on_cpu(np.zeros((4, 2), np.int32))
     with pytest.raises(Exception, match="num_experts must be a positive multiple"):
-        jax.block_until_ready(jax.jit(lambda i: _ffi.layout(i, num_experts=10, num_ranks=4))(idx))
-
-
-def test_buffer_formula_matches_native():
-    m = _native.module()
-    assert hasattr(m, "normal_buffer_bytes"), "the extension must export normal_buffer_bytes (stale build?)"
-    for args in [(7168, 8, 4096, 4, 16384, 256), (2048, 1, 1, 2, 2, 8), (128, 16, 17, 8, 5, 64),
-                 (4096, 4, 100, 2, 1000, 32)]:
-        assert m.normal_buffer_bytes(*args) == buffer_layout.normal_buffer_bytes(*args), args
-
-
-def test_low_latency_buffer_formula_matches_native():
-    m = _native.module()
-    assert hasattr(m, "low_latency_buffer_bytes"), "the extension must export low_latency_buffer_bytes (stale build?)"
-    for args in [(7168, 128, 4, 288), (2048, 1, 2, 8), (7168, 64, 8, 256), (136, 3, 2, 6), (4096, 256, 8, 1024)]:
-        assert m.low_latency_buffer_bytes(*args) == buffer_layout.low_latency_buffer_bytes(*args), args
-
+        jax.block_until_ready(jax.jit(lambda i: layout(i, 10, 4))(idx))

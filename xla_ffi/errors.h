@@ -21,6 +21,11 @@ inline ffi::Error Invalid(const char* target, const std::string& msg) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
 }
 
+// The call cannot run in this process state (e.g. no runtime bound for the mesh axis).
+inline ffi::Error Precondition(const char* target, const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string(target) + ": " + msg);
+}
+
 // Runs a handler body; any C++ exception becomes an Internal error naming the target.
 template <typename Body>
 ffi::Error Guarded(const char* target, Body&& body) noexcept {

@@ -1,56 +1,220 @@
-// The nanobind module jax_ep._jax_ep_native: the one registration point of the native part.
+// The nanobind module jax_ep._jax_ep_native: the one registration point of the native part (native_interface.md §1).
 //
-// Python (jax_ep/_native.py) registers every entry of registrations() in one loop. Importing this module touches
-// no GPU and needs no libcuda (cudart is static and loads the driver at the first CUDA call).
+// Python registers every entry of state_types() (jax.ffi.register_ffi_type, before any target), then every entry of
+// registrations() (jax.ffi.register_ffi_target) in one loop. Importing this module touches no GPU and needs no
+// libcuda (cudart is static and loads the driver at the first CUDA call); nothing below except group_* calls CUDA.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <stdexcept>
-
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "jax_ep/buffer_layout.h"
-#include "jax_ep/low_latency.h"
 #include "jax_ep/peer_group.h"
+#include "jax_ep/staging_layout.h"
+#include "op_state.h"
 #include "registry.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 #ifndef JAX_EP_VERSION
 #define JAX_EP_VERSION "0.0.0"
 #endif
 
+static_assert(XLA_FFI_API_MAJOR > 0 || XLA_FFI_API_MINOR >= 2,
+              "jax_ep needs XLA FFI headers >= 0.2 (jaxlib >= 0.10.2): MakeTypeInfo, State<T>");
+
 namespace nb = nanobind;
 
 namespace {
 
+constexpr const char* kStateTypeName = "jax_ep_op_state_v2";
+
+// A target: stateless (execute only) or a stateful bundle (instantiate != nullptr, state type OpState).
 struct Target {
   const char* name;
   const char* platform;  // as jax.ffi.register_ffi_target spells it
-  XLA_FFI_Handler* handler;
+  XLA_FFI_Handler* instantiate;
+  XLA_FFI_Handler* execute;
 };
 
 const std::vector<Target>& Targets() {
   static const std::vector<Target> targets = {
-      {"jax_ep_layout_v1", "cpu", JaxEpLayoutCpuV1},
-      {"jax_ep_layout_v1", "CUDA", JaxEpLayoutCudaV1},
-      {"jax_ep_dispatch_v1", "CUDA", JaxEpDispatchCudaV1},
-      {"jax_ep_cached_dispatch_v1", "CUDA", JaxEpCachedDispatchCudaV1},
-      {"jax_ep_combine_v1", "CUDA", JaxEpCombineCudaV1},
-      {"jax_ep_ll_dispatch_send_v1", "CUDA", JaxEpLowLatencyDispatchSendCudaV1},
-      {"jax_ep_ll_dispatch_recv_v1", "CUDA", JaxEpLowLatencyDispatchRecvCudaV1},
-      {"jax_ep_ll_combine_send_v1", "CUDA", JaxEpLowLatencyCombineSendCudaV1},
-      {"jax_ep_ll_combine_recv_v1", "CUDA", JaxEpLowLatencyCombineRecvCudaV1},
+      {"jax_ep_layout_v1", "cpu", nullptr, JaxEpLayoutCpuV1},
+      {"jax_ep_layout_v1", "CUDA", nullptr, JaxEpLayoutCudaV1},
+      {"jax_ep_dispatch_v2", "CUDA", JaxEpDispatchInstantiateV2, JaxEpDispatchCudaV2},
+      {"jax_ep_cached_dispatch_v2", "CUDA", JaxEpCachedDispatchInstantiateV2, JaxEpCachedDispatchCudaV2},
+      {"jax_ep_combine_v2", "CUDA", JaxEpCombineInstantiateV2, JaxEpCombineCudaV2},
+      {"jax_ep_ll_dispatch_v2", "CUDA", JaxEpLlDispatchInstantiateV2, JaxEpLlDispatchCudaV2},
+      {"jax_ep_ll_dispatch_send_v2", "CUDA", JaxEpLlDispatchSendInstantiateV2, JaxEpLlDispatchSendCudaV2},
+      {"jax_ep_ll_dispatch_recv_v2", "CUDA", JaxEpLlDispatchRecvInstantiateV2, JaxEpLlDispatchRecvCudaV2},
+      {"jax_ep_ll_combine_v2", "CUDA", JaxEpLlCombineInstantiateV2, JaxEpLlCombineCudaV2},
+      {"jax_ep_ll_combine_send_v2", "CUDA", JaxEpLlCombineSendInstantiateV2, JaxEpLlCombineSendCudaV2},
+      {"jax_ep_ll_combine_recv_v2", "CUDA", JaxEpLlCombineRecvInstantiateV2, JaxEpLlCombineRecvCudaV2},
   };
   return targets;
 }
 
+nb::capsule handler_capsule(XLA_FFI_Handler* h) { return nb::capsule(reinterpret_cast<void*>(h)); }
+
 void throw_if_error(const jax_ep::Status& st) {
   if (!st.ok()) throw std::runtime_error(st.message());
+}
+
+void require_positive(const char* fn, const char* name, int64_t v) {
+  if (v <= 0) throw nb::value_error((std::string(fn) + ": " + name + " must be positive, got " + std::to_string(v)).c_str());
+}
+
+void require_non_negative(const char* fn, const char* what, const std::vector<int64_t>& v) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (v[i] < 0)
+      throw nb::value_error((std::string(fn) + ": " + what + "[" + std::to_string(i) + "] must be >= 0, got " +
+                             std::to_string(v[i]))
+                                .c_str());
+}
+
+void def_staging(nb::module_& m) {
+  m.def(
+      "normal_buffer_bytes",
+      [](int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t capacity,
+         int64_t num_experts) {
+        const char* fn = "normal_buffer_bytes";
+        require_positive(fn, "hidden", hidden);
+        require_positive(fn, "num_topk", num_topk);
+        require_positive(fn, "max_tokens_per_rank", max_tokens_per_rank);
+        require_positive(fn, "num_ranks", num_ranks);
+        require_positive(fn, "capacity", capacity);
+        require_positive(fn, "num_experts", num_experts);
+        return jax_ep::normal_buffer_bytes(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts);
+      },
+      nb::arg("hidden"), nb::arg("num_topk"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"),
+      nb::arg("capacity"), nb::arg("num_experts"),
+      "Bytes of the normal-mode region one rank needs for a config (signal header included).");
+  m.def(
+      "low_latency_buffer_bytes",
+      [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts) {
+        const char* fn = "low_latency_buffer_bytes";
+        require_positive(fn, "hidden", hidden);
+        require_positive(fn, "max_tokens_per_rank", max_tokens_per_rank);
+        require_positive(fn, "num_ranks", num_ranks);
+        require_positive(fn, "num_experts", num_experts);
+        return jax_ep::low_latency_buffer_bytes(hidden, max_tokens_per_rank, num_ranks, num_experts);
+      },
+      nb::arg("hidden"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("num_experts"),
+      "Bytes of the low-latency region one rank needs for a config (scratch + two halves).");
+  m.def(
+      "staging_plan",
+      [](const std::vector<int64_t>& normal, const std::vector<int64_t>& low_latency) {
+        require_non_negative("staging_plan", "normal", normal);
+        require_non_negative("staging_plan", "low_latency", low_latency);
+        const jax_ep::StagingPlan p =
+            jax_ep::make_staging_plan(normal.data(), normal.size(), low_latency.data(), low_latency.size());
+        return std::make_tuple(p.buffer_bytes, p.ll_offset, p.ll_bytes);
+      },
+      nb::arg("normal"), nb::arg("low_latency"),
+      "(buffer_bytes, ll_offset, ll_bytes) of one device's staging: [normal region = max(normal) | LL region = "
+      "max(low_latency)]; ll_offset = the aligned end of the normal region (>= the signal header), ll_bytes = 0 "
+      "when low_latency is empty.");
+}
+
+void def_groups(nb::module_& m) {
+  m.def(
+      "group_create",
+      [](const std::vector<int>& device_ordinals, int64_t buffer_bytes, int64_t set_id) {
+        int64_t id = -1;
+        {
+          nb::gil_scoped_release release;  // allocation, peer access and a warm-up barrier on every device
+          throw_if_error(jax_ep::create_group(device_ordinals, buffer_bytes, set_id, &id));
+        }
+        return id;
+      },
+      nb::arg("device_ordinals"), nb::arg("buffer_bytes"), nb::arg("set_id") = -1,
+      "Creates a group over CUDA device ordinals (rank order): allocates buffer_bytes of staging per device, enables "
+      "peer access between all pairs, runs one warm-up barrier. Returns the group id. set_id: pass the id of an "
+      "earlier group so several disjoint groups of one mesh serve one bound axis (default: own set).");
+  m.def(
+      "group_register_external",
+      [](int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases, int64_t buffer_bytes,
+         int64_t set_id) {
+        int64_t id = -1;
+        throw_if_error(jax_ep::register_external_group(device_ordinal, rank, peer_bases, buffer_bytes, set_id, &id));
+        return id;
+      },
+      nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("peer_bases"), nb::arg("buffer_bytes"),
+      nb::arg("set_id") = -1,
+      "One process per GPU (NVSHMEM): registers this process's rank of a group whose buffers the caller allocated "
+      "and mapped (peer_bases[r] = rank r's buffer as this device addresses it, e.g. nvshmem_ptr). The buffer must "
+      "be zeroed before the first op; jax_ep never frees it. Returns the group id.");
+  m.def(
+      "group_warmup",
+      [](int64_t id, uint64_t timeout_ns) {
+        nb::gil_scoped_release release;
+        throw_if_error(jax_ep::warmup_group(id, timeout_ns));
+      },
+      nb::arg("id"), nb::arg("timeout_ns") = 30ull * 1000 * 1000 * 1000,
+      "Collective: one device-side group barrier on this process's devices of the group, waited for on the host.");
+  m.def(
+      "group_destroy",
+      [](int64_t id) {
+        nb::gil_scoped_release release;
+        throw_if_error(jax_ep::destroy_group(id));
+      },
+      nb::arg("id"), "Waits for the group's devices to go idle and frees its buffers (owned groups).");
+  m.def(
+      "group_info",
+      [](int64_t id) {
+        jax_ep::GroupInfo info;
+        throw_if_error(jax_ep::group_info(id, &info));
+        nb::dict d;
+        d["id"] = info.id;
+        d["set_id"] = info.set_id;
+        d["device_ordinals"] = info.device_ordinals;
+        d["num_ranks"] = info.device_ordinals.size();
+        d["buffer_bytes"] = info.buffer_bytes;
+        d["buffers"] = info.buffers;
+        d["sm_counts"] = info.sm_counts;
+        d["transport"] = info.owns_buffers ? "cuda-peer" : "external";
+        return d;
+      },
+      nb::arg("id"), "What a group holds (ids, devices, bytes, device addresses of the staging buffers).");
+}
+
+void def_bindings(nb::module_& m) {
+  m.def(
+      "bind_axis",
+      [](const std::string& axis, int64_t set_id, int64_t ll_offset, int64_t ll_bytes) {
+        jax_ep::AxisBinding b;
+        b.set_id = set_id;
+        b.ll_offset = ll_offset;
+        b.ll_bytes = ll_bytes;
+        const jax_ep::Status st = jax_ep::bind_axis(axis, b);
+        if (!st.ok()) throw nb::value_error(st.message().c_str());
+      },
+      nb::arg("axis"), nb::arg("set_id"), nb::arg("ll_offset"), nb::arg("ll_bytes"),
+      "From now on a handler whose `axis` attribute is `axis` uses the group of set `set_id` that holds its device, "
+      "and the low-latency region (ll_offset, ll_bytes) of that group's staging. Rebinding replaces. No CUDA call.");
+  m.def(
+      "unbind_axis", [](const std::string& axis) { jax_ep::unbind_axis(axis); }, nb::arg("axis"),
+      "Removes the binding of `axis` (no error if unbound).");
+  m.def(
+      "bound_axes",
+      []() {
+        nb::dict out;
+        for (const auto& [axis, b] : jax_ep::bound_axes()) {
+          nb::dict d;
+          d["set_id"] = b.set_id;
+          d["ll_offset"] = b.ll_offset;
+          d["ll_bytes"] = b.ll_bytes;
+          out[nb::str(axis.c_str())] = d;
+        }
+        return out;
+      },
+      "{axis: {set_id, ll_offset, ll_bytes}} of every bound axis (diagnostics).");
 }
 
 }  // namespace
@@ -67,79 +231,38 @@ NB_MODULE(_jax_ep_native, m) {
   m.def(
       "registrations",
       []() {
-        std::vector<std::tuple<std::string, std::string, nb::capsule>> out;
-        for (const Target& t : Targets())
-          out.emplace_back(t.name, t.platform, nb::capsule(reinterpret_cast<void*>(t.handler)));
+        nb::list out;
+        for (const Target& t : Targets()) {
+          nb::object handler;
+          if (t.instantiate != nullptr) {
+            nb::dict bundle;
+            bundle["instantiate"] = handler_capsule(t.instantiate);
+            bundle["execute"] = handler_capsule(t.execute);
+            handler = bundle;
+          } else {
+            handler = handler_capsule(t.execute);
+          }
+          out.append(nb::make_tuple(t.name, t.platform, handler));
+        }
         return out;
       },
-      "list of (target_name, platform, PyCapsule) to pass to jax.ffi.register_ffi_target");
+      "list of (target_name, platform, handler) for jax.ffi.register_ffi_target: handler is a PyCapsule (stateless) "
+      "or a dict {'instantiate', 'execute'} of PyCapsules (stateful; register state_types() first)");
+  m.def(
+      "state_types",
+      []() {
+        static XLA_FFI_TypeInfo type_info = ::xla::ffi::MakeTypeInfo<jax_ep::OpState>();
+        nb::dict reg;
+        reg["type_id"] = nb::capsule(reinterpret_cast<void*>(&jax_ep::OpState::id));
+        reg["type_info"] = nb::capsule(reinterpret_cast<void*>(&type_info));
+        nb::list out;
+        out.append(nb::make_tuple(kStateTypeName, reg));
+        return out;
+      },
+      "list of (type_name, {'type_id', 'type_info'}) for jax.ffi.register_ffi_type(name, reg, platform='CUDA'), "
+      "to be registered before any target");
 
-  m.def("normal_buffer_bytes", &jax_ep::normal_buffer_bytes, nb::arg("hidden"), nb::arg("num_topk"),
-        nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("capacity"), nb::arg("num_experts"),
-        "staging bytes per rank for a normal-mode config (jax_ep/buffer_layout.py mirrors this formula)");
-
-  m.def("low_latency_buffer_bytes", &jax_ep::low_latency_buffer_bytes, nb::arg("hidden"),
-        nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("num_experts"),
-        "bytes of the low-latency region per rank for a config (jax_ep/buffer_layout.py mirrors this formula)");
-
-  // ---- intranode groups (one process, CUDA peer access) ----
-  m.def(
-      "intranode_create_group",
-      [](const std::vector<int>& device_ordinals, int64_t buffer_bytes, int64_t set_id) {
-        int64_t id = -1;
-        {
-          nb::gil_scoped_release release;  // allocation, peer access and a warm-up barrier on every device
-          throw_if_error(jax_ep::create_group(device_ordinals, buffer_bytes, set_id, &id));
-        }
-        return id;
-      },
-      nb::arg("device_ordinals"), nb::arg("buffer_bytes"), nb::arg("set_id") = -1,
-      "Creates a group over CUDA device ordinals (rank order): allocates buffer_bytes of staging per device, enables "
-      "peer access between all pairs, runs one warm-up barrier. Returns the group id. set_id: pass the id of an "
-      "earlier group so several disjoint groups of one mesh answer one handler attribute (default: own set).");
-  m.def(
-      "intranode_register_external_group",
-      [](int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases, int64_t buffer_bytes,
-         int64_t set_id) {
-        int64_t id = -1;
-        throw_if_error(jax_ep::register_external_group(device_ordinal, rank, peer_bases, buffer_bytes, set_id, &id));
-        return id;
-      },
-      nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("peer_bases"), nb::arg("buffer_bytes"),
-      nb::arg("set_id") = -1,
-      "One process per GPU (NVSHMEM): registers this process's rank of a group whose buffers the caller allocated "
-      "and mapped (peer_bases[r] = rank r's buffer as this device addresses it, e.g. nvshmem_ptr). The buffer must "
-      "be zeroed before the first op; jax_ep never frees it. Returns the group id.");
-  m.def(
-      "intranode_warmup_group",
-      [](int64_t id, uint64_t timeout_ns) {
-        nb::gil_scoped_release release;
-        throw_if_error(jax_ep::warmup_group(id, timeout_ns));
-      },
-      nb::arg("id"), nb::arg("timeout_ns") = 30ull * 1000 * 1000 * 1000,
-      "Collective: one device-side group barrier on this process's devices of the group, waited for on the host.");
-  m.def(
-      "intranode_destroy_group",
-      [](int64_t id) {
-        nb::gil_scoped_release release;
-        throw_if_error(jax_ep::destroy_group(id));
-      },
-      nb::arg("id"), "Waits for the group's devices to go idle and frees its buffers.");
-  m.def(
-      "intranode_group_info",
-      [](int64_t id) {
-        jax_ep::GroupInfo info;
-        throw_if_error(jax_ep::group_info(id, &info));
-        nb::dict d;
-        d["id"] = info.id;
-        d["set_id"] = info.set_id;
-        d["device_ordinals"] = info.device_ordinals;
-        d["num_ranks"] = info.device_ordinals.size();
-        d["buffer_bytes"] = info.buffer_bytes;
-        d["buffers"] = info.buffers;
-        d["sm_counts"] = info.sm_counts;
-        d["transport"] = info.owns_buffers ? "cuda-peer" : "external";
-        return d;
-      },
-      nb::arg("id"), "What a group holds (ids, devices, bytes, device addresses of the staging buffers).");
+  def_staging(m);
+  def_groups(m);
+  def_bindings(m);
 }

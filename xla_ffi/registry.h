@@ -1,15 +1,32 @@
-// Every FFI handler symbol of the module. module.cc turns this list into registrations(); target names are
-// versioned (suffix _v1): a changed operand list gets a new name, never a silent reinterpretation.
+// Every FFI handler symbol of the module. module.cc turns this list into registrations() (stateless targets: one
+// execute handler; group-using targets: an {instantiate, execute} bundle whose state type is OpState). Target
+// names are versioned: a changed operand or attribute list gets a new name, never a silent reinterpretation.
 #pragma once
 
 #include "xla/ffi/api/api.h"
 
+// routing (stateless): jax_ep_layout_v1
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCpuV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchSendCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchRecvCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineSendCudaV1);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineRecvCudaV1);
+
+// normal mode: jax_ep_dispatch_v2, jax_ep_cached_dispatch_v2, jax_ep_combine_v2
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV2);
+
+// low-latency mode: jax_ep_ll_dispatch_v2, jax_ep_ll_dispatch_send_v2, ..._recv_v2, jax_ep_ll_combine_v2, ...
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvInstantiateV2);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV2);

@@ -1,4 +1,4 @@
-// Device side of the intranode transport: the narrow interface the kernels use.
+// Device side of the peer transport (both process models): the narrow interface the kernels use.
 //   peer_base(g, r)        load/store pointer to rank r's staging buffer (NVLink peer mapping, or this GPU's own)
 //   group_barrier_block()  every rank has arrived at this op (monotonic counters, no reset between calls)
 //   signal_peer()          publish "my writes to you for this epoch are done" (release, system scope)
@@ -13,9 +13,9 @@
 #include <cstdint>
 
 #include "common/ptx.cuh"
-#include "jax_ep/buffer_layout.h"
 #include "jax_ep/constants.h"
-#include "jax_ep/params.h"
+#include "jax_ep/group_ctx.h"
+#include "jax_ep/signal_header.h"
 
 namespace jax_ep {
 

@@ -1,8 +1,11 @@
+// Transport host side: the group registry (create / register / warm up / destroy) and the axis bindings that
+// handlers resolve through (jax_ep/peer_group.h).
 #include "jax_ep/peer_group.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -10,8 +13,9 @@
 #include <string>
 
 #include "jax_ep/api.h"
-#include "jax_ep/buffer_layout.h"
 #include "jax_ep/constants.h"
+#include "jax_ep/signal_header.h"
+#include "jax_ep/staging_layout.h"
 
 namespace jax_ep {
 namespace {
@@ -21,6 +25,8 @@ struct Group {
   std::vector<char*> buffers;
 };
 
+// One lock guards the groups, the bindings and the generation bumps; handlers take it shared, and only on a miss
+// of their per-device cache.
 std::shared_mutex& registry_mutex() {
   static std::shared_mutex m;
   return m;
@@ -29,7 +35,16 @@ std::map<int64_t, std::unique_ptr<Group>>& registry() {
   static std::map<int64_t, std::unique_ptr<Group>> r;
   return r;
 }
+std::map<std::string, AxisBinding>& bindings() {
+  static std::map<std::string, AxisBinding> b;
+  return b;
+}
 int64_t next_id = 1;
+
+// NOTE: bumped (under the exclusive lock) by every change of groups or bindings. A handler's cached resolution is
+// valid while the generation it was made under is current; the counter starts at 1 so 0 means "nothing cached".
+std::atomic<uint64_t> generation{1};
+void bump_generation() { generation.fetch_add(1, std::memory_order_acq_rel); }
 
 // Restores the calling thread's current device on scope exit (group setup switches devices).
 class DeviceRestorer {
@@ -68,7 +83,7 @@ Status setup(const std::vector<int>& ordinals, int64_t bytes, Group* g) {
       JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, ordinals[i], ordinals[j]));
       if (!can)
         return Status::Error("device " + std::to_string(ordinals[i]) + " cannot access device " +
-                             std::to_string(ordinals[j]) + " as a peer (no NVLink/P2P path): the intranode "
+                             std::to_string(ordinals[j]) + " as a peer (no NVLink/P2P path): the in-process "
                              "transport needs peer access between all GPUs of a group");
       const cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
@@ -122,6 +137,7 @@ Status insert_group(std::unique_ptr<Group> g, int64_t set_id, int64_t* id_out) {
   }
   *id_out = g->info.id;
   registry()[g->info.id] = std::move(g);
+  bump_generation();
   return Status::Ok();
 }
 
@@ -154,7 +170,7 @@ Status create_group(const std::vector<int>& device_ordinals, int64_t buffer_byte
     st = setup(device_ordinals, buffer_bytes, g.get());
     if (!st.ok()) {
       free_buffers(device_ordinals, g->buffers);
-      return Status::Error("intranode_create_group failed: " + st.message());
+      return Status::Error("group_create failed: " + st.message());
     }
   }
   st = insert_group(std::move(g), set_id, id_out);
@@ -164,7 +180,7 @@ Status create_group(const std::vector<int>& device_ordinals, int64_t buffer_byte
   st = warmup_group(*id_out, 30ull * 1000 * 1000 * 1000);
   if (!st.ok()) {
     destroy_group(*id_out);
-    return Status::Error("intranode_create_group warm-up failed: " + st.message());
+    return Status::Error("group_create warm-up failed: " + st.message());
   }
   return Status::Ok();
 }
@@ -174,9 +190,10 @@ Status destroy_group(int64_t id) {
   {
     std::unique_lock<std::shared_mutex> lock(registry_mutex());
     auto it = registry().find(id);
-    if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+    if (it == registry().end()) return Status::Error("no group with id " + std::to_string(id));
     g = std::move(it->second);
     registry().erase(it);
+    bump_generation();  // no handler may use a cached view of this group any more
   }
   if (!g->info.owns_buffers) return Status::Ok();
   DeviceRestorer restore;
@@ -219,7 +236,7 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex());
     auto it = registry().find(id);
-    if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+    if (it == registry().end()) return Status::Error("no group with id " + std::to_string(id));
     info = it->second->info;
     bases = it->second->buffers;
   }
@@ -231,9 +248,9 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
   for (int r = 0; r < n && st.ok(); ++r) {
     if (info.device_ordinals[r] < 0) continue;
     st = CudaStatus(cudaSetDevice(info.device_ordinals[r]), "cudaSetDevice", __FILE__, __LINE__);
-    if (st.ok()) st = preload_layout_kernels();
-    if (st.ok()) st = preload_intranode_kernels();
-    if (st.ok()) st = preload_low_latency_kernels();
+    if (st.ok()) st = routing::preload_kernels();
+    if (st.ok()) st = normal::preload_kernels();
+    if (st.ok()) st = ll::preload_kernels();
     if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking),
                                  "cudaStreamCreateWithFlags", __FILE__, __LINE__);
     if (st.ok()) {
@@ -242,7 +259,7 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
       ctx.rank = r;
       ctx.num_ranks = n;
       ctx.timeout_ns = timeout_ns;
-      st = launch_group_barrier(ctx, streams[r]);
+      st = normal::launch_group_barrier(ctx, streams[r]);
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -258,29 +275,71 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
 Status group_info(int64_t id, GroupInfo* out) {
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
   auto it = registry().find(id);
-  if (it == registry().end()) return Status::Error("no intranode group with id " + std::to_string(id));
+  if (it == registry().end()) return Status::Error("no group with id " + std::to_string(id));
   *out = it->second->info;
   return Status::Ok();
 }
 
-Status find_group_device(int64_t set_id, int device_ordinal, GroupDeviceView* out) {
-  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+Status bind_axis(const std::string& axis, const AxisBinding& b) {
+  if (axis.empty()) return Status::Error("bind_axis: the axis name is empty");
+  if (b.set_id < 0) return Status::Error("bind_axis: set_id must be >= 0, got " + std::to_string(b.set_id));
+  if (b.ll_bytes < 0) return Status::Error("bind_axis: ll_bytes must be >= 0, got " + std::to_string(b.ll_bytes));
+  if (b.ll_bytes > 0 && (b.ll_offset < kSignalHeaderBytes || b.ll_offset % kAlign != 0))
+    return Status::Error("bind_axis: ll_offset must be a multiple of " + std::to_string(kAlign) + " and >= " +
+                         std::to_string(kSignalHeaderBytes) + " (staging_plan), got " + std::to_string(b.ll_offset));
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  // Groups of the set that exist now must hold the LL region (handlers check again against the group they find).
   for (auto& [id, g] : registry()) {
-    if (g->info.set_id != set_id) continue;
-    const auto& ords = g->info.device_ordinals;
-    const auto pos = std::find(ords.begin(), ords.end(), device_ordinal);
-    if (pos == ords.end()) continue;
-    GroupDeviceView v;
-    v.rank = static_cast<int32_t>(pos - ords.begin());
-    v.num_ranks = static_cast<int32_t>(ords.size());
-    for (int r = 0; r < v.num_ranks; ++r) v.peers.base[r] = g->buffers[r];
-    v.buffer_bytes = g->info.buffer_bytes;
-    v.sm_count = g->info.sm_counts[v.rank];
-    *out = v;
-    return Status::Ok();
+    if (g->info.set_id != b.set_id || b.ll_bytes == 0) continue;
+    if (b.ll_offset + b.ll_bytes > g->info.buffer_bytes)
+      return Status::Error("bind_axis: the low-latency region [" + std::to_string(b.ll_offset) + ", +" +
+                           std::to_string(b.ll_bytes) + ") does not fit group " + std::to_string(id) + "'s " +
+                           std::to_string(g->info.buffer_bytes) + "-byte staging buffer");
   }
-  return Status::Error("device " + std::to_string(device_ordinal) + " is in no live intranode group of set " +
-                       std::to_string(set_id) + " (jax_ep.initialize not called, finalized, or a different mesh)");
+  bindings()[axis] = b;
+  bump_generation();
+  return Status::Ok();
+}
+
+void unbind_axis(const std::string& axis) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  bindings().erase(axis);
+  bump_generation();
+}
+
+std::map<std::string, AxisBinding> bound_axes() {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  return bindings();
+}
+
+uint64_t binding_generation() { return generation.load(std::memory_order_acquire); }
+
+Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* out) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  // NOTE: read under the lock: every bump happens under the exclusive lock, so what is found below belongs to
+  // exactly this generation.
+  const uint64_t gen = generation.load(std::memory_order_acquire);
+  const auto b = bindings().find(axis);
+  if (b != bindings().end()) {
+    for (auto& [id, g] : registry()) {
+      if (g->info.set_id != b->second.set_id) continue;
+      const auto& ords = g->info.device_ordinals;
+      const auto pos = std::find(ords.begin(), ords.end(), device_ordinal);
+      if (pos == ords.end()) continue;
+      GroupDeviceView v;
+      v.rank = static_cast<int32_t>(pos - ords.begin());
+      v.num_ranks = static_cast<int32_t>(ords.size());
+      for (int r = 0; r < v.num_ranks; ++r) v.peers.base[r] = g->buffers[r];
+      v.buffer_bytes = g->info.buffer_bytes;
+      v.sm_count = g->info.sm_counts[v.rank];
+      out->view = v;
+      out->binding = b->second;
+      out->generation = gen;
+      return Status::Ok();
+    }
+  }
+  return Status::Error("no jax_ep runtime for mesh axis '" + axis + "' on device " + std::to_string(device_ordinal) +
+                       ": call jax_ep.initialize(mesh, cfg) first");
 }
 
 }  // namespace jax_ep

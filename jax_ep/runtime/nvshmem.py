@@ -35,7 +35,7 @@ from .nvshmem_env import HEAP_HEADROOM_BYTES, nvshmem_environment, parse_size
 
 log = logging.getLogger("jax_ep")
 
-_MODULE_NAME = f"{__package__}._jax_ep_nvshmem"
+_MODULE_NAME = "jax_ep._jax_ep_nvshmem"  # the separate native module at the package root
 _lock = threading.RLock()
 # NVSHMEM's process-wide state as jax_ep sees it: the heap size fixed at init, whether the exit hook is in place.
 _process: dict = {"module": None, "heap_bytes": None, "exit_timeout_s": 100.0}

@@ -29,11 +29,14 @@ def main():
     jax_ep.initialize(mesh, cfg)
 
     def body(x, idx, w):
-        a = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True)
-        b = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False), cfg)
-        y = jax_ep.low_latency_combine(b.recv_x, idx, w, b.handle, cfg)
-        y2 = jax_ep.low_latency_combine_recv(jax_ep.low_latency_combine_send(b.recv_x, idx, w, b.handle, cfg), cfg)
+        # one LowLatencyState through every LL op: the program order the CUDA backend needs (docs/API.md)
         st = jax_ep.low_latency_state(cfg)
+        a, st = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True, state=st)
+        pb, st = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False, state=st)
+        b, st = jax_ep.low_latency_dispatch_recv(pb, cfg, state=st)
+        y, st = jax_ep.low_latency_combine(b.recv_x, idx, w, b.handle, cfg, state=st)
+        pc, st = jax_ep.low_latency_combine_send(b.recv_x, idx, w, b.handle, cfg, state=st)
+        y2, st = jax_ep.low_latency_combine_recv(pc, cfg, state=st)
         p, st = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False, state=st)
         c, st = jax_ep.low_latency_dispatch_recv(p, cfg, state=st)
         y3, st = jax_ep.low_latency_combine(c.recv_x, idx, w, c.handle, cfg, state=st)
@@ -48,7 +51,7 @@ def main():
         w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
         c8, c16, y, y2, y3, st = jax.device_get(f(x, jnp.asarray(idx), w))
         jax_ep.check_low_latency_state(st)
-        assert (np.asarray(st).reshape(-1, 4) == [3, 0, 0, 0]).all(), st
+        assert (np.asarray(st).reshape(-1, 4) == [6, 0, 0, 0]).all(), st
         assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y3).view(np.uint16))
         expect = [int((idx == e).sum()) for e in range(E)]  # rows per expert (no repeats in this routing)
         assert c8.tolist() == expect and c16.tolist() == expect, (c8, c16, expect)

@@ -35,7 +35,7 @@ def _setup(num_experts=None):
     h.require(1)
     R = len(h.gpu_devices())
     E = num_experts or 8 * R
-    mesh = jax.make_mesh((R,), ("ep",), devices=h.gpu_devices())
+    mesh = jax.sharding.Mesh(np.array(h.gpu_devices()), ("ep",))
     return R, E, mesh
 
 
@@ -165,7 +165,7 @@ _EXPORT_CHILD = textwrap.dedent("""
     import jax_ep
     from jax.sharding import NamedSharding, PartitionSpec as P
     R = len(jax.devices()); E = 8 * R
-    mesh = jax.make_mesh((R,), ("ep",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
     cfg = jax_ep.EPConfig(E, {H}, {K}, {T}, backend="cuda")
     jax_ep.initialize(mesh, cfg)   # the consumer sets up its own runtime; the artifact names only the axis
     exp = jax.export.deserialize(open(sys.argv[1], "rb").read())

@@ -1,52 +1,55 @@
-// The cuda/ layer's entry points. Plain C++ (no XLA, no Python): each takes one Params struct (+ a stream) and
-// returns a Status; nothing here allocates, synchronizes with the host, or exits.
+// The cuda/ layer's entry points, one namespace per mode (as DeepEP's csrc/kernels/api.cuh). Plain C++ (no XLA, no
+// Python): each takes one Params struct (+ a stream) and returns a Status; nothing here allocates, synchronizes with
+// the host, or exits.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include "jax_ep/low_latency.h"
-#include "jax_ep/params.h"
+#include "jax_ep/group_ctx.h"
+#include "jax_ep/ll_params.h"
+#include "jax_ep/normal_params.h"
+#include "jax_ep/routing_params.h"
 #include "jax_ep/status.h"
 
-namespace jax_ep {
+namespace jax_ep::routing {
 
-// Host loop (the CPU handler). Same semantics as launch_layout, bit for bit.
-Status layout_host(const LayoutParams& p);
+// Host loop (the CPU handler). Same semantics as launch, bit for bit.
+Status run_host(const Params& p);
 
 // One block; T, E, R validated by the caller against constants.h.
-Status launch_layout(const LayoutParams& p, cudaStream_t stream);
+Status launch(const Params& p, cudaStream_t stream);
 
-}  // namespace jax_ep
+// Loads the kernels into the current device's context (CUDA lazy loading would load each at its first launch).
+Status preload_kernels();
 
-namespace jax_ep {
+}  // namespace jax_ep::routing
 
-// Intranode ops. Each begins with a group barrier (so staging reuse across consecutive calls is safe) and uses only
-// device-side counters (CUDA-graph replay safe). Launches several kernels on `stream`; no host synchronization.
+namespace jax_ep::normal {
+
+// Each op begins with a group barrier (so staging reuse across consecutive calls is safe) and uses only device-side
+// counters (CUDA-graph replay safe). Launches several kernels on `stream`; no host synchronization.
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream);
 Status launch_combine(const CombineParams& p, cudaStream_t stream);
 
-// One barrier on this device's side of the group (group creation warm-up).
+// One barrier on this device's side of the group (the group warm-up of the transport).
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream);
 
-}  // namespace jax_ep
+Status preload_kernels();
 
-namespace jax_ep {
+}  // namespace jax_ep::normal
 
-// Low-latency ops (cuda/kernels/low_latency.cu). No barrier, no host synchronization; each half is one kernel.
-Status launch_low_latency_dispatch_send(const LowLatencyDispatchSendParams& p, cudaStream_t stream);
-Status launch_low_latency_dispatch_recv(const LowLatencyDispatchRecvParams& p, cudaStream_t stream);
-Status launch_low_latency_combine_send(const LowLatencyCombineSendParams& p, cudaStream_t stream);
-Status launch_low_latency_combine_recv(const LowLatencyCombineRecvParams& p, cudaStream_t stream);
+namespace jax_ep::ll {
 
-}  // namespace jax_ep
+// No barrier, no host synchronization. Split ops: one kernel each. Fused ops: the send kernel then the receive
+// kernel on the same stream, joined by the header's fused-token slot (the ChainIO of each Params says where).
+Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream);
+Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
+Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv, cudaStream_t stream);
+Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);
+Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
+Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream);
 
-namespace jax_ep {
+Status preload_kernels();
 
-// Load every kernel into the current device's context (CUDA lazy loading would load each at its first launch).
-// Called by the group warm-up on each device.
-Status preload_layout_kernels();
-Status preload_intranode_kernels();
-Status preload_low_latency_kernels();
-
-}  // namespace jax_ep
+}  // namespace jax_ep::ll

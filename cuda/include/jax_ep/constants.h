@@ -1,12 +1,29 @@
-// Limits the kernels are written for. Handlers validate against these and return an error naming the limit.
+// Limits the kernels are written for and the fixed sizes of the staging buffer. Handlers validate against these and
+// return an error naming the limit.
 #pragma once
+
+#include <cstdint>
 
 namespace jax_ep {
 
-constexpr int kMaxLayoutRanks = 64;        // layout target: the rank mask of a token is one 64-bit word
-constexpr int kMaxLayoutExperts = 8192;    // layout target (CUDA): per-expert counters live in shared memory (32 KB)
+// ---- routing (the layout target and the dispatch notify kernel) ----
+constexpr int kMaxLayoutRanks = 64;        // the rank mask of a token is one 64-bit word
+constexpr int kMaxLayoutExperts = 8192;    // CUDA: per-expert counters live in shared memory (32 KB)
 constexpr int kLayoutThreads = 1024;       // one block computes a layout (T <= 8192 in practice: a few us)
-constexpr int kMaxGroupRanks = 8;          // intranode group: peer pointers passed by value in the Params struct
+
+// ---- groups (both modes) ----
+constexpr int kMaxGroupRanks = 8;          // peer pointers passed by value in the Params structs
 constexpr int kMaxTopk = 16;               // K
+
+// ---- staging buffer (cuda/include/jax_ep/staging_layout.h) ----
+constexpr int64_t kAlign = 256;            // every region of the staging buffer starts on this boundary
+constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
+constexpr int64_t kSignalHeaderBytes = 1024;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
+
+// ---- low-latency mode ----
+constexpr int64_t kMaxLowLatencyExperts = 1024;  // per-expert scratch counters of the combine sender (E <= 1024)
+constexpr int64_t kLowLatencyScratchBytes = 4 * kMaxLowLatencyExperts;
+constexpr int64_t kLowLatencyMsgHeader = 16;     // bytes before the payload of a dispatch message
+constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send and their receive (buffer halves)
 
 }  // namespace jax_ep

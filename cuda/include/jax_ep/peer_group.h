@@ -1,22 +1,26 @@
-// In-process transport: one process drives the GPUs of an EP group; peers reach each other's staging buffers
-// through CUDA peer access (NVLink). Host side: create / destroy / look up groups.
+// Transport host API: groups of GPUs that reach each other's staging buffers (CUDA peer access in one process, or
+// buffers mapped by the caller, e.g. NVSHMEM, in one process per GPU), and the axis bindings that let compiled
+// programs find them.
 //
-// Everything expensive happens in create_group (allocation, peer access, zeroing, one warm-up barrier); the
-// per-call lookup used by the FFI handlers takes a shared lock on a small map and makes no CUDA calls.
+// Everything expensive happens in create_group (allocation, peer access, zeroing, one warm-up barrier). Handlers
+// resolve (mesh axis, device ordinal) -> group view through resolve_axis (a shared lock on two small maps, no CUDA
+// call) and cache the result per device, keyed by binding_generation() (an atomic load, no lock).
+// Implemented in cuda/transport/peer_group.cc.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
-#include "jax_ep/params.h"
+#include "jax_ep/group_ctx.h"
 #include "jax_ep/status.h"
 
 namespace jax_ep {
 
 struct GroupInfo {
   int64_t id = -1;
-  int64_t set_id = -1;                 // groups created with the same set id answer the same handler attribute
+  int64_t set_id = -1;                 // groups created with the same set id serve one bound axis together
   std::vector<int> device_ordinals;    // rank order; -1 for ranks that live in other processes (external groups)
   bool owns_buffers = true;            // false for external groups (NVSHMEM owns the memory)
   int64_t buffer_bytes = 0;
@@ -35,7 +39,7 @@ struct GroupDeviceView {
 
 // device_ordinals: CUDA device ordinals in rank order (jax Device.local_hardware_id along the mesh axis).
 // set_id < 0: the group forms its own set (set_id = id). Several groups of one mesh (e.g. dp x ep) pass the id of
-// the first as set_id, so one handler attribute value serves every device: each finds the group holding it.
+// the first as set_id, so one binding serves every device: each finds the group holding it.
 Status create_group(const std::vector<int>& device_ordinals, int64_t buffer_bytes, int64_t set_id, int64_t* id_out);
 Status destroy_group(int64_t id);
 
@@ -53,7 +57,31 @@ Status register_external_group(int device_ordinal, int rank, const std::vector<u
 Status warmup_group(int64_t id, uint64_t timeout_ns);
 Status group_info(int64_t id, GroupInfo* out);
 
-// Handler path: the group of set `set_id` that holds `device_ordinal`.
-Status find_group_device(int64_t set_id, int device_ordinal, GroupDeviceView* out);
+// ---- axis bindings ----------------------------------------------------------------------------------------------
+// A handler's `axis` attribute names a mesh axis; the binding of that axis says which group set serves it and where
+// the low-latency region lies in those groups' staging. Rebinding replaces. Every change of bindings or groups
+// bumps the process-wide generation (never reused), which invalidates every handler's per-device cache.
+// NOTE: no CUDA call here: binding works (and is testable) on machines without a GPU.
+struct AxisBinding {
+  int64_t set_id = -1;
+  int64_t ll_offset = 0;   // byte offset of the LL region in every group of the set (staging_plan)
+  int64_t ll_bytes = 0;    // bytes of the LL region, 0: no LL buffers
+};
+
+Status bind_axis(const std::string& axis, const AxisBinding& binding);
+void unbind_axis(const std::string& axis);  // no error if unbound
+std::map<std::string, AxisBinding> bound_axes();
+uint64_t binding_generation();              // acquire load; never 0
+
+// What resolve_axis found for (axis, device ordinal), and the generation it was valid for.
+struct ResolvedGroup {
+  GroupDeviceView view;
+  AxisBinding binding;
+  uint64_t generation = 0;
+};
+
+// Handler path (a shared lock, no CUDA call): the group of the set bound to `axis` that holds `device_ordinal`.
+// Error: "no jax_ep runtime for mesh axis '<axis>' on device <ordinal>: call jax_ep.initialize(mesh, cfg) first".
+Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* out);
 
 }  // namespace jax_ep

@@ -1,13 +1,13 @@
-// Standalone layout kernel (FFI target jax_ep_layout_v1 on CUDA).
-#include "common/layout.cuh"
+// Standalone routing layout kernel (FFI target jax_ep_layout_v1 on CUDA).
 #include "common/preload.cuh"
+#include "common/routing.cuh"
 #include "jax_ep/api.h"
 
-namespace jax_ep {
+namespace jax_ep::routing {
 namespace {
 
-__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutParams p) {
-  __shared__ LayoutSmem sm;
+__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const Params p) {
+  __shared__ BlockSmem sm;
   extern __shared__ int32_t s_expert[];  // [E]
   block_layout(p, sm, s_expert);
   __syncthreads();
@@ -17,13 +17,13 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutP
 
 }  // namespace
 
-Status preload_layout_kernels() { return preload({reinterpret_cast<const void*>(layout_kernel)}); }
+Status preload_kernels() { return preload({reinterpret_cast<const void*>(layout_kernel)}); }
 
-Status launch_layout(const LayoutParams& p, cudaStream_t stream) {
+Status launch(const Params& p, cudaStream_t stream) {
   const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
   layout_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
-}  // namespace jax_ep
+}  // namespace jax_ep::routing

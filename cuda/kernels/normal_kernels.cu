@@ -1,4 +1,5 @@
-// Normal-mode dispatch / cached dispatch / combine between the GPUs of one process over NVLink.
+// Normal mode (training, prefill): dispatch / cached dispatch / combine between the GPUs of a group over NVLink
+// (peer pointers from either process model, cuda/transport/peer.cuh).
 //
 // Every op:  barrier -> (dispatch only: count exchange) -> direct-addressed row writes into the destination's
 //            staging -> per-destination completion signal -> local copy / reduction into XLA's output buffers.
@@ -13,13 +14,15 @@
 
 #include <cstdint>
 
-#include "common/layout.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
+#include "common/routing.cuh"
+#include "common/thread.cuh"
 #include "jax_ep/api.h"
+#include "jax_ep/signal_header.h"
 #include "transport/peer.cuh"
 
-namespace jax_ep {
+namespace jax_ep::normal {
 namespace {
 
 constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
@@ -31,10 +34,6 @@ constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per ste
 constexpr int kSendUnroll = 8;
 // Combine sender: 8 vectors in flight per lane (one store per load). See the timing NOTE at combine_send_kernel.
 constexpr int kCombineUnroll = 8;
-
-__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
-__device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
-__device__ __forceinline__ int num_global_warps() { return (gridDim.x * blockDim.x) >> 5; }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Barrier kernel (cached dispatch, combine, group warm-up).
@@ -52,20 +51,20 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const GroupCtx g) {
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
 __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const DispatchParams p) {
-  __shared__ LayoutSmem sm;
+  __shared__ routing::BlockSmem sm;
   __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
 
-  LayoutParams lp{};
+  routing::Params lp{};
   lp.topk_idx = p.topk_idx;
   lp.send_pos = p.send_pos;
   lp.num_tokens = p.num_tokens;
   lp.num_topk = p.num_topk;
   lp.num_experts = p.num_experts;
   lp.num_ranks = R;
-  block_layout(lp, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
+  routing::block_layout(lp, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
   __syncthreads();
 
   const uint32_t epoch = group_barrier_block(g, "dispatch notify barrier");
@@ -182,7 +181,7 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const SendArgs 
       int32_t e = -1;
       if (a.topk_idx != nullptr) {
         e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + k);
-        if (!valid_expert(e, a.experts_per_rank * R)) e = -1;
+        if (!routing::valid_expert(e, a.experts_per_rank * R)) e = -1;
       }
 #pragma unroll
       for (int d = 0; d < kMaxGroupRanks; ++d) {
@@ -465,7 +464,7 @@ Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, 
 
 }  // namespace
 
-Status preload_intranode_kernels() {
+Status preload_kernels() {
   return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
                   reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
                   reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(combine_send_kernel),
@@ -559,4 +558,4 @@ Status launch_combine(const CombineParams& p, cudaStream_t stream) {
   return Status::Ok();
 }
 
-}  // namespace jax_ep
+}  // namespace jax_ep::normal

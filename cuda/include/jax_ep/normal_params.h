@@ -1,47 +1,14 @@
-// POD parameter structs: one per kernel family. Handlers fill them; kernels read them by value.
-// Every pointer is annotated with its shape and dtype; shapes use the names of docs/API.md.
+// Normal mode (training, prefill): POD parameters of dispatch, cached dispatch and combine. Handlers fill them;
+// kernels read them by value. Every pointer is annotated with its shape and dtype (names of docs/API.md).
 #pragma once
 
 #include <cstdint>
 
-#include "jax_ep/buffer_layout.h"
-#include "jax_ep/constants.h"
+#include "jax_ep/group_ctx.h"
 
-namespace jax_ep {
+namespace jax_ep::normal {
 
-// Layout (SPEC §3 get_dispatch_layout). T may be 0.
-struct LayoutParams {
-  const int32_t* topk_idx;          // [T, K] s32, values in [-1, E); others treated as -1
-  int32_t* num_tokens_per_rank;     // [R] s32 out
-  int32_t* num_tokens_per_expert;   // [E] s32 out
-  bool* is_token_in_rank;           // [T, R] pred out, optional (nullptr)
-  int32_t* send_pos;                // [T, R] s32 out, optional (nullptr): rank of t among tokens sent to r, else -1
-  int32_t num_tokens;               // T
-  int32_t num_topk;                 // K
-  int32_t num_experts;              // E
-  int32_t num_ranks;                // R (E % R == 0)
-};
-
-
-// ---- intranode (one process, the GPUs of one EP group over NVLink) -------------------------------------------
-
-// Staging buffer base of every rank of the group (this rank's too), as this device addresses them. The in-process
-// transport fills it from cudaMalloc + peer access; an NVSHMEM transport would fill it from nvshmem_ptr.
-// NOTE: passed by value in the kernel parameters (constant bank), so no device-side table lookup per access.
-struct PeerTable {
-  char* base[kMaxGroupRanks];
-};
-
-// What every intranode kernel needs to know about the group.
-struct GroupCtx {
-  PeerTable peers;
-  BufferLayout layout;   // offsets of this call's config inside every rank's staging buffer
-  int32_t rank;          // this device's rank in the group (= its index along the mesh axis)
-  int32_t num_ranks;     // R <= kMaxGroupRanks
-  uint64_t timeout_ns;   // device waits trap after this long
-};
-
-// Dispatch (normal mode): layout + count exchange + direct-addressed row writes + local copy-out.
+// Dispatch: layout + count exchange + direct-addressed row writes + local copy-out.
 struct DispatchParams {
   GroupCtx g;
   const void* x;                        // [T, H] bf16 or f8e4m3fn, row_bytes per row
@@ -111,4 +78,4 @@ struct CombineParams {
   int32_t copy_blocks;
 };
 
-}  // namespace jax_ep
+}  // namespace jax_ep::normal

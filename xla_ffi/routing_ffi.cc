@@ -1,4 +1,4 @@
-// FFI target jax_ep_layout_v1 (platforms "cpu" and "CUDA"): the dispatch layout of SPEC §3.
+// FFI target jax_ep_layout_v1 (platforms "cpu" and "CUDA", stateless): the routing layout of SPEC §3.
 //
 //   operand  topk_idx              [T, K] s32
 //   attrs    num_experts (i32), num_ranks (i32)
@@ -29,7 +29,7 @@ using namespace ffi_types;  // NOLINT
 constexpr const char* kTarget = "jax_ep_layout_v1";
 
 // Decodes and validates; shared by both platforms.
-ffi::ErrorOr<LayoutParams> MakeLayoutParams(S32Mat& topk_idx, ffi::Result<S32Vec>& ntr,
+ffi::ErrorOr<routing::Params> MakeLayoutParams(S32Mat& topk_idx, ffi::Result<S32Vec>& ntr,
                                             ffi::Result<S32Vec>& nte,
                                             ffi::Result<PredMat>& itr, int32_t num_experts,
                                             int32_t num_ranks, int max_experts) {
@@ -52,7 +52,7 @@ ffi::ErrorOr<LayoutParams> MakeLayoutParams(S32Mat& topk_idx, ffi::Result<S32Vec
     return ffi::Unexpected(Invalid(kTarget, "num_tokens_per_expert must have shape [num_experts]"));
   if (itr->dimensions()[0] != T || itr->dimensions()[1] != num_ranks)
     return ffi::Unexpected(Invalid(kTarget, "is_token_in_rank must have shape [T, num_ranks]"));
-  LayoutParams p{};
+  routing::Params p{};
   p.topk_idx = topk_idx.typed_data();
   p.num_tokens_per_rank = ntr->typed_data();
   p.num_tokens_per_expert = nte->typed_data();
@@ -71,7 +71,7 @@ ffi::Error LayoutCpu(S32Mat topk_idx, ffi::Result<S32Vec> ntr,
   return Guarded(kTarget, [&]() -> ffi::Error {
     auto p = MakeLayoutParams(topk_idx, ntr, nte, itr, num_experts, num_ranks, INT32_MAX);
     if (p.has_error()) return p.error();
-    return ToFfi(kTarget, layout_host(p.value()));
+    return ToFfi(kTarget, routing::run_host(p.value()));
   });
 }
 
@@ -81,7 +81,7 @@ ffi::Error LayoutCuda(cudaStream_t stream, S32Mat topk_idx, ffi::Result<S32Vec> 
   return Guarded(kTarget, [&]() -> ffi::Error {
     auto p = MakeLayoutParams(topk_idx, ntr, nte, itr, num_experts, num_ranks, kMaxLayoutExperts);
     if (p.has_error()) return p.error();
-    return ToFfi(kTarget, launch_layout(p.value(), stream));
+    return ToFfi(kTarget, routing::launch(p.value(), stream));
   });
 }
 

@@ -1,15 +1,15 @@
-// CPU version of the dispatch layout (SPEC §3). Used by the "cpu" FFI handler and as the executable definition
-// the CUDA kernel is tested against.
+// CPU version of the routing layout (SPEC §3). Used by the "cpu" FFI handler and as the executable definition the
+// CUDA kernel is tested against.
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "jax_ep/api.h"
-#include "jax_ep/routing.h"
+#include "jax_ep/routing_params.h"
 
-namespace jax_ep {
+namespace jax_ep::routing {
 
-Status layout_host(const LayoutParams& p) {
+Status run_host(const Params& p) {
   const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
   const int L = E / R;
   std::fill(p.num_tokens_per_rank, p.num_tokens_per_rank + R, 0);
@@ -26,7 +26,7 @@ Status layout_host(const LayoutParams& p) {
     }
     for (int r = 0; r < R; ++r) {
       const int64_t tr = static_cast<int64_t>(t) * R + r;
-      p.is_token_in_rank[tr] = in_rank[r] != 0;
+      if (p.is_token_in_rank) p.is_token_in_rank[tr] = in_rank[r] != 0;
       if (p.send_pos) p.send_pos[tr] = in_rank[r] ? p.num_tokens_per_rank[r] : -1;
       p.num_tokens_per_rank[r] += in_rank[r];
     }
@@ -34,4 +34,4 @@ Status layout_host(const LayoutParams& p) {
   return Status::Ok();
 }
 
-}  // namespace jax_ep
+}  // namespace jax_ep::routing

@@ -1,17 +1,16 @@
-// Block-wide dispatch layout: rank membership, per-rank and per-expert counts and (optionally) send positions.
-// Shared by the standalone layout kernel and the dispatch notify kernel.
+// Block-wide routing layout: rank membership, per-rank and per-expert counts and (optionally) send positions.
+// Shared by the standalone layout kernel (routing_kernels.cu) and the dispatch notify kernel (normal_kernels.cu).
 #pragma once
 
 #include <cstdint>
 
 #include "jax_ep/constants.h"
-#include "jax_ep/params.h"
-#include "jax_ep/routing.h"
+#include "jax_ep/routing_params.h"
 
-namespace jax_ep {
+namespace jax_ep::routing {
 
 // Scratch the caller provides in shared memory.
-struct LayoutSmem {
+struct BlockSmem {
   int32_t warp_count[kLayoutThreads / 32][kMaxLayoutRanks];  // per tile: tokens of each warp sent to each rank
   int32_t rank_base[kMaxLayoutRanks];                        // running count per rank over the tiles done
 };
@@ -19,7 +18,7 @@ struct LayoutSmem {
 // Must be called by all kLayoutThreads threads of one block. s_expert: [E] s32 in shared memory.
 // NOTE: tokens are taken in tiles of kLayoutThreads, one per thread, so a warp ballot + a scan over the 32 warp
 // counts gives each token its position among the tokens sent to a rank in token order (SPEC: rows by token index).
-__device__ inline void block_layout(const LayoutParams& p, LayoutSmem& sm, int32_t* s_expert) {
+__device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_expert) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kWarps = kLayoutThreads / 32;
   const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
@@ -74,4 +73,4 @@ __device__ inline void block_layout(const LayoutParams& p, LayoutSmem& sm, int32
   }
 }
 
-}  // namespace jax_ep
+}  // namespace jax_ep::routing

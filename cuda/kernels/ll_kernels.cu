@@ -11,7 +11,9 @@
 //                   the last block of expert l raises the c_flags[e] of every rank.
 //   combine recv    blocks (t, part): wait for the flags of t's experts, y[t] = sum_k w[t, k] * row(e_k, t) in f32.
 //
-// Epochs, halves and single-writer flags: see cuda/include/jax_ep/low_latency.h. Memory ordering as in
+// Every kernel: open (read the chain state / token, decide) -> body (only when the op works) -> finish (the last block
+// writes the output state): ll_protocol.cuh, ll_params.h. A skipped op waits for nothing and writes to no peer.
+// Epochs, halves and single-writer flags: see cuda/include/jax_ep/staging_layout.h. Memory ordering as in
 // transport/peer.cuh: peer stores -> __syncthreads -> __threadfence_system -> st.release.sys of the flag; the reader
 // spins with ld.acquire.sys, then __syncthreads, then reads peer-written data with ld.cg (L1 is not coherent with
 // peer stores).
@@ -24,14 +26,16 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/copy.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
+#include "common/thread.cuh"
 #include "jax_ep/api.h"
-#include "jax_ep/low_latency.h"
-#include "jax_ep/routing.h"
+#include "jax_ep/routing_params.h"
+#include "kernels/ll_protocol.cuh"
 #include "transport/peer.cuh"
 
-namespace jax_ep {
+namespace jax_ep::ll {
 namespace {
 
 constexpr int kSendThreads = 512;      // dispatch send: 16 warps per expert
@@ -40,97 +44,6 @@ constexpr int kCombineRecvThreads = 256;
 constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
 constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
 constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
-
-__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
-__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
-__device__ __forceinline__ int num_warps() { return blockDim.x >> 5; }
-
-// Epoch of the op being sent: one more than the last send on this rank (set at the end of every send kernel).
-__device__ __forceinline__ uint32_t next_epoch(const GroupCtx& g) {
-  return *reinterpret_cast<volatile uint32_t*>(self_base(g) + LowLatencyHeader::kEpoch) + 1;
-}
-
-// Buffer offset of the half used by the op of `epoch`. NOTE: a select, not half[epoch & 1]: a dynamic index into a
-// by-value kernel parameter would copy the struct to local memory.
-__device__ __forceinline__ int64_t half_offset(const LowLatencyLayout& ll, uint32_t epoch) {
-  return (epoch & 1u) ? ll.half[1] : ll.half[0];
-}
-
-// Before writing into peer d's half for epoch n: d has finished reading op n-2 from that half.
-__device__ __forceinline__ void wait_consumed(const GroupCtx& g, int d, uint32_t epoch) {
-  wait_reached(header_word(self_base(g), LowLatencyHeader::kConsumed + 4 * (kMaxGroupRanks * (epoch & 1u) + d)),
-               epoch - 2u, g.timeout_ns,
-               "low-latency send (peer still reading the op two epochs back)", g.rank, d);
-}
-
-// End of every send kernel (all threads of all blocks): the last block advances this rank's epoch counter.
-__device__ __forceinline__ void finish_send(const GroupCtx& g, uint32_t epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* done = header_word(self_base(g), LowLatencyHeader::kSendDone);
-    if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
-      atomicExch(done, 0u);
-      *reinterpret_cast<volatile uint32_t*>(self_base(g) + LowLatencyHeader::kEpoch) = epoch;
-    }
-  }
-}
-
-// End of every receive kernel: once all blocks have read their part of the half, tell every rank (this one too)
-// that epoch n is consumed here, so their op n+2 may reuse the half.
-__device__ __forceinline__ void finish_recv(const GroupCtx& g, uint32_t epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's loads from the half are complete before it is counted
-    uint32_t* done = header_word(self_base(g), LowLatencyHeader::kRecvDone);
-    if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
-      atomicExch(done, 0u);
-      __threadfence_system();
-      for (int d = 0; d < g.num_ranks; ++d)
-        st_release_sys(header_word(peer_base(g, d),
-                                   LowLatencyHeader::kConsumed + 4 * (kMaxGroupRanks * (epoch & 1u) + g.rank)),
-                       epoch);
-    }
-  }
-}
-
-// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
-__device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
-  int s = 0;
-  while (s + 1 < R && i >= off[s + 1]) ++s;
-  return s;
-}
-
-// Eight bf16 values (one 16-byte vector) as floats.
-__device__ __forceinline__ void unpack_bf16x8(const int4& v, float f[8]) {
-  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h2[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
-__device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
-  const int n16 = bytes / 16;
-  for (int j = lane_id(); j < n16; j += 32)
-    st_v4(reinterpret_cast<int4*>(dst) + j, ld_cg_v4(reinterpret_cast<const int4*>(src) + j));
-}
-
-__device__ __forceinline__ void copy_segment_nc(char* dst, const char* src, int bytes) {
-  const int n16 = bytes / 16;
-  int4 v[4];
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int j = u * 32 + lane_id();
-    if (j < n16) v[u] = ld_nc_v4(reinterpret_cast<const int4*>(src) + j);
-  }
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int j = u * 32 + lane_id();
-    if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, v[u]);
-  }
-}
 
 // Quantizes channels [ch0, ch1) (at most kSegChannels) of one bf16 row into an fp8 message (payload at +0, scales
 // at +H). Each lane owns 16 channels per step (two 16-byte loads, one 16-byte fp8 store: NVLink moves full 16-byte
@@ -203,22 +116,24 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
   __syncwarp();  // warp_scales is reused by the warp's next item
 }
 
+// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
+__device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
+  int s = 0;
+  while (s + 1 < R && i >= off[s + 1]) ++s;
+  return s;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const LowLatencyDispatchSendParams p) {
-  const LowLatencyCtx& c = p.c;
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
   const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
-  const uint32_t epoch = next_epoch(g);
   const int64_t half = half_offset(c.ll, epoch);
   const int nseg = (H + kSegChannels - 1) / kSegChannels;
   __shared__ int32_t s_warp_count[kSendThreads / 32];
   __shared__ int32_t s_tokens[kSendThreads];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    p.token[0] = static_cast<int32_t>(epoch);
-    p.token[1] = T;
-  }
 
   for (int e = blockIdx.x; e < E; e += gridDim.x) {
     const int d = e / L, l = e % L;
@@ -267,16 +182,24 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const Lo
       st_release_sys(header_word(dst_half, c.ll.d_flags + 4 * (l * R + me)), epoch);
     }
   }
-  finish_send(g, epoch);
+}
+
+__global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const DispatchSendParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0)
+    open_send(p.c.g, p.io, p.fused, p.num_tokens,
+              p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
+  __syncthreads();
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
+  finish_send(p.c.g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const LowLatencyDispatchRecvParams p) {
-  const LowLatencyCtx& c = p.c;
+__device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, rows_per_expert = R * Tm;
   const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<const volatile int32_t*>(p.token));
   const char* half = self_base(g) + half_offset(c.ll, epoch);
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
   __shared__ int32_t s_count[kMaxGroupRanks];
@@ -324,23 +247,25 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const LowLat
           __ldcg(reinterpret_cast<const float*>(message(i) + kLowLatencyMsgHeader + H) + j);
     }
   }
-  finish_recv(g, epoch);
+}
+
+__global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const DispatchRecvParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
+  __syncthreads();
+  if (s_gate.work) dispatch_recv_body(p, s_gate.epoch);  // block-uniform
+  finish_recv(p.c.g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) ll_combine_send_kernel(const LowLatencyCombineSendParams p) {
-  const LowLatencyCtx& c = p.c;
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
   const int rows_per_expert = R * Tm, row_bytes = 2 * H;
   const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const uint32_t epoch = next_epoch(g);
   const int64_t half = half_offset(c.ll, epoch);
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
-  if (l == 0 && part == 0 && tid == 0) {
-    p.token[0] = static_cast<int32_t>(epoch);
-    p.token[1] = 0;
-  }
   if (tid == 0) {
     s_off[0] = 0;
     for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
@@ -370,26 +295,35 @@ __global__ void __launch_bounds__(kThreads) ll_combine_send_kernel(const LowLate
         st_release_sys(header_word(peer_base(g, d) + half, c.ll.c_flags + 4 * (me * L + l)), epoch);
     }
   }
-  finish_send(g, epoch);
+}
+
+__global__ void __launch_bounds__(kThreads) ll_combine_send_kernel(const CombineSendParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0)
+    open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
+  __syncthreads();
+  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  finish_send(p.c.g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(const LowLatencyCombineRecvParams p) {
-  const LowLatencyCtx& c = p.c;
+__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
   const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const uint32_t epoch = static_cast<uint32_t>(*reinterpret_cast<const volatile int32_t*>(p.token));
   char* half = self_base(g) + half_offset(c.ll, epoch);
   __shared__ int32_t s_expert[kMaxTopk];
   __shared__ float s_weight[kMaxTopk];
   const bool has_token = t < p.num_tokens;  // T = 0 still runs one block: finish_recv must publish the epoch
   if (has_token && tid < K) {
     const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + tid);
-    const bool valid = valid_expert(e, E);
+    const bool valid = routing::valid_expert(e, E);
     if (valid)
       wait_reached(header_word(half, c.ll.c_flags + 4 * e), epoch, g.timeout_ns, "low-latency combine receive",
                    g.rank, e / L);
+    // NOTE: the weight of a -1 / out-of-range slot is never loaded nor multiplied (the slot is skipped below), so a
+    // NaN or inf weight there cannot reach y (0 * NaN = NaN would).
     s_expert[tid] = valid ? e : -1;
     s_weight[tid] = valid ? __ldg(p.topk_weights + static_cast<int64_t>(t) * K + tid) : 0.0f;
   }
@@ -415,11 +349,18 @@ __global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(co
     for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
     reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
   }
-  finish_recv(g, epoch);
+}
+
+__global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(const CombineRecvParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
+  __syncthreads();
+  if (s_gate.work) combine_recv_body(p, s_gate.epoch);  // block-uniform
+  finish_recv(p.c.g, p.io, s_gate);
 }
 
 // Blocks per expert so that a call spreads over about two blocks per SM.
-int parts_per_expert(const LowLatencyCtx& c, int max_parts) {
+int parts_per_expert(const Ctx& c, int max_parts) {
   const int sms = c.sm_count > 0 ? c.sm_count : 132;
   return std::max(1, std::min(max_parts, (2 * sms + c.num_local - 1) / c.num_local));
 }
@@ -432,33 +373,38 @@ Status launched(const char* what) {
 
 }  // namespace
 
-Status preload_low_latency_kernels() {
+Status preload_kernels() {
   return preload({reinterpret_cast<const void*>(ll_dispatch_send_kernel),
                   reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(ll_combine_send_kernel),
                   reinterpret_cast<const void*>(ll_combine_recv_kernel)});
 }
 
-Status launch_low_latency_dispatch_send(const LowLatencyDispatchSendParams& p, cudaStream_t stream) {
+Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
   const int grid = std::max(1, std::min(p.c.num_experts, 4 * sms));
   ll_dispatch_send_kernel<<<grid, kSendThreads, 0, stream>>>(p);
   return launched("low-latency dispatch send");
 }
 
-Status launch_low_latency_dispatch_recv(const LowLatencyDispatchRecvParams& p, cudaStream_t stream) {
+Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
   ll_dispatch_recv_kernel<<<grid, kThreads, 0, stream>>>(p);
   return launched("low-latency dispatch receive");
 }
 
-Status launch_low_latency_combine_send(const LowLatencyCombineSendParams& p, cudaStream_t stream) {
+Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv, cudaStream_t stream) {
+  JAX_EP_RETURN_IF_ERROR(launch_dispatch_send(send, stream));
+  return launch_dispatch_recv(recv, stream);
+}
+
+Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
   ll_combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
 
-Status launch_low_latency_combine_recv(const LowLatencyCombineRecvParams& p, cudaStream_t stream) {
+Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
   const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
   const int blocks = std::max(1, p.num_tokens);
@@ -467,4 +413,9 @@ Status launch_low_latency_combine_recv(const LowLatencyCombineRecvParams& p, cud
   return launched("low-latency combine receive");
 }
 
-}  // namespace jax_ep
+Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream) {
+  JAX_EP_RETURN_IF_ERROR(launch_combine_send(send, stream));
+  return launch_combine_recv(recv, stream);
+}
+
+}  // namespace jax_ep::ll

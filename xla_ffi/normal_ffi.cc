@@ -1,26 +1,23 @@
-// FFI targets of the intranode (single process, NVLink) normal mode, platform "CUDA":
-//   jax_ep_dispatch_v1, jax_ep_cached_dispatch_v1, jax_ep_combine_v1 (operands and results: see the bindings).
+// FFI targets of the normal mode (training, prefill), platform "CUDA", stateful bundles {instantiate, execute}:
+//   jax_ep_dispatch_v2, jax_ep_cached_dispatch_v2, jax_ep_combine_v2 (operands and results: see the bindings).
 //
-// Common attributes:
-//   group_id (i64)             set id of the intranode group(s) (jax_ep.runtime.group_id_for); each device finds
-//                              its own group and rank by its DeviceOrdinal
-//   num_experts, hidden, num_topk, max_tokens_per_rank (i32)   the EPConfig: they fix the staging layout
-//   num_sms (i32)              blocks of the NVLink-sending kernels
-//   timeout_ns (i64)           device waits for a peer trap after this long
-// Handlers only decode, validate, fill a Params struct and launch: no allocation, no host synchronization, no
-// waiting on other devices (each device's handler runs on its own host thread).
+// Attributes: NormalAttrs (attrs.h), decoded once per call site by the instantiate stage into an OpState.
+// Execute resolves (axis, DeviceOrdinal) through the state (op_state.h), checks shapes, fills a Params struct and
+// launches: no allocation, no host synchronization, no waiting on other devices (each device's handler runs on its
+// own host thread).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 
+#include "attrs.h"
 #include "checks.h"
 #include "errors.h"
 #include "jax_ep/api.h"
-#include "jax_ep/buffer_layout.h"
 #include "jax_ep/constants.h"
-#include "jax_ep/peer_group.h"
+#include "jax_ep/staging_layout.h"
+#include "op_state.h"
 #include "registry.h"
 #include "types.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,64 +32,51 @@ using ffi_util::Invalid;
 using ffi_util::shape_str;
 using ffi_util::ToFfi;
 using namespace ffi_types;  // NOLINT
+using normal::CachedDispatchParams;
+using normal::CombineDtype;
+using normal::CombineParams;
+using normal::DispatchParams;
 
-struct CommonAttrs {
-  int64_t group_id;
-  int32_t num_experts, hidden, num_topk, max_tokens_per_rank, num_sms;
-  int64_t timeout_ns;
-};
-
-// Group lookup + config checks shared by the three targets. capacity = C of this call.
-ffi::Error make_group_ctx(const char* target, int32_t ordinal, const CommonAttrs& a, int64_t capacity,
-                          GroupCtx* g, int32_t* sm_count) {
-  GroupDeviceView v;
-  Status st = find_group_device(a.group_id, ordinal, &v);
-  if (!st.ok()) return ToFfi(target, st);
-  const int R = v.num_ranks;
-  JAX_EP_CHECK(target, a.num_experts > 0 && a.num_experts % R == 0 && a.num_experts <= kMaxLayoutExperts,
-               "num_experts (" + std::to_string(a.num_experts) + ") must be a positive multiple of the group size (" +
-                   std::to_string(R) + ") and <= " + std::to_string(kMaxLayoutExperts));
-  JAX_EP_CHECK(target, a.hidden > 0 && a.max_tokens_per_rank > 0 && capacity > 0,
-               "hidden, max_tokens_per_rank and the capacity must be positive");
-  JAX_EP_CHECK(target, a.num_topk >= 1 && a.num_topk <= kMaxTopk,
-               "num_topk must be in [1, " + std::to_string(kMaxTopk) + "]");
-  JAX_EP_CHECK(target, a.num_sms >= 1, "num_sms must be >= 1");
-  const BufferLayout layout = make_buffer_layout(a.hidden, a.num_topk, a.max_tokens_per_rank, R, capacity,
-                                                 a.num_experts);
-  JAX_EP_CHECK(target, layout.total <= v.buffer_bytes,
-               "this config needs " + std::to_string(layout.total) + " staging bytes per rank but the group has " +
-                   std::to_string(v.buffer_bytes) + " (pass this config to jax_ep.initialize)");
-  g->peers = v.peers;
+// Resolves the call site on this device and lays out this call's config (capacity C) in the normal region.
+ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupCtx* g, int32_t* sm_count) {
+  const char* target = st->target();
+  const Resolved* r = nullptr;
+  if (auto e = st->resolve(ordinal, &r); !e.success()) return e;
+  const OpConfig& a = st->config();
+  JAX_EP_CHECK(target, capacity > 0, "the capacity (rows of the receive buffers) must be positive");
+  const BufferLayout layout = make_buffer_layout(a.hidden, a.num_topk, a.max_tokens_per_rank, r->view.num_ranks,
+                                                 capacity, a.num_experts);
+  JAX_EP_CHECK(target, layout.total <= r->normal_limit,
+               "this config needs " + std::to_string(layout.total) + " staging bytes per rank but the runtime has " +
+                   std::to_string(r->normal_limit) + " (pass this config to jax_ep.initialize)");
+  *g = st->group_ctx(*r);
   g->layout = layout;
-  g->rank = v.rank;
-  g->num_ranks = R;
-  g->timeout_ns = static_cast<uint64_t>(a.timeout_ns > 0 ? a.timeout_ns : 1);
-  *sm_count = v.sm_count;
+  *sm_count = r->view.sm_count;
   return ffi::Error::Success();
 }
 
 int copy_blocks_for(int32_t sm_count) { return sm_count > 0 ? 2 * sm_count : 264; }
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------
-constexpr const char* kDispatch = "jax_ep_dispatch_v1";
+constexpr const char* kDispatch = "jax_ep_dispatch_v2";
 
-ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, AnyBuf x, F32Mat x_scales, S32Mat topk_idx,
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, F32Mat x_scales, S32Mat topk_idx,
                     F32Mat topk_weights, ffi::Result<AnyBuf> recv_x, ffi::Result<F32Mat> recv_x_scales,
                     ffi::Result<S32Mat> recv_topk_idx, ffi::Result<F32Mat> recv_topk_weights,
                     ffi::Result<S32Scalar> num_recv_tokens, ffi::Result<S32Vec> num_recv_tokens_per_expert,
                     ffi::Result<S32Mat> send_pos, ffi::Result<S32Vec> recv_src_idx, ffi::Result<S32Vec> recv_src_rank,
-                    ffi::Result<S32Vec> recv_rank_counts, ffi::Result<S32Vec> send_row_offset, int64_t group_id,
-                    int32_t num_experts, int32_t hidden, int32_t num_topk, int32_t max_tokens_per_rank, int32_t num_sms,
-                    int64_t timeout_ns) {
+                    ffi::Result<S32Vec> recv_rank_counts, ffi::Result<S32Vec> send_row_offset) {
   return Guarded(kDispatch, [&]() -> ffi::Error {
-    const CommonAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, num_sms, timeout_ns};
+    const OpConfig& a = st->config();
+    const int32_t hidden = a.hidden, num_topk = a.num_topk, num_experts = a.num_experts;
+    const int32_t max_tokens_per_rank = a.max_tokens_per_rank, num_sms = a.num_sms;
     const auto xd = x.dimensions();
     JAX_EP_CHECK(kDispatch, xd.size() == 2, "x must be [T, H], got " + shape_str(xd));
     const int64_t T = xd[0], H = xd[1];
     const int64_t C = recv_x->dimensions().size() == 2 ? recv_x->dimensions()[0] : -1;
     GroupCtx g{};
     int32_t sm_count = 0;
-    if (auto e = make_group_ctx(kDispatch, ordinal, a, C, &g, &sm_count); !e.success()) return e;
+    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count); !e.success()) return e;
     const int64_t R = g.num_ranks, K = num_topk, L = num_experts / R;
     const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
     JAX_EP_CHECK(kDispatch, fp8 || x.element_type() == ffi::DataType::BF16, "x must be bfloat16 or float8_e4m3fn");
@@ -143,13 +127,13 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, AnyBuf x, F32Mat x_sca
     p.scale_cols = static_cast<int32_t>(S);
     p.num_sms = num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kDispatch, st);
-    return ToFfi(kDispatch, launch_dispatch(p, stream));
+    if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kDispatch, s);
+    return ToFfi(kDispatch, normal::launch_dispatch(p, stream));
   });
 }
 
 // ---- cached dispatch --------------------------------------------------------------------------------------------
-constexpr const char* kCached = "jax_ep_cached_dispatch_v1";
+constexpr const char* kCached = "jax_ep_cached_dispatch_v2";
 
 int64_t payload_elem_bytes(ffi::DataType t) {
   return t == ffi::DataType::BF16 ? 2 : (t == ffi::DataType::F32 ? 4 : 0);
@@ -157,7 +141,7 @@ int64_t payload_elem_bytes(ffi::DataType t) {
 
 // Checks shared by cached dispatch and combine: the moved rows ([rows, W] bf16/f32 that fit a staging slot), the
 // optional weights ([weight_rows, Kw], Kw = 0 for none) and the handle arrays. Writes the row size in bytes.
-ffi::Error CheckRowsAndHandle(const char* target, const CommonAttrs& a, const GroupCtx& g, const AnyBuf& rows,
+ffi::Error CheckRowsAndHandle(const char* target, const OpConfig& a, const GroupCtx& g, const AnyBuf& rows,
                               int64_t T, int64_t C, const F32Mat& weights, int64_t weight_rows, const S32Mat& send_pos,
                               const S32Vec& recv_src_idx, const S32Vec& recv_src_rank,
                               const S32Vec& recv_rank_counts, const S32Vec& send_row_offset, int64_t* row_bytes_out) {
@@ -180,20 +164,18 @@ ffi::Error CheckRowsAndHandle(const char* target, const CommonAttrs& a, const Gr
   return ffi::Error::Success();
 }
 
-ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, AnyBuf payload, F32Mat weights, S32Mat send_pos,
-                          S32Vec recv_src_idx, S32Vec recv_src_rank, S32Vec recv_rank_counts, S32Vec send_row_offset,
-                          ffi::Result<AnyBuf> recv, ffi::Result<F32Mat> recv_weights, int64_t group_id,
-                          int32_t num_experts, int32_t hidden, int32_t num_topk, int32_t max_tokens_per_rank,
-                          int32_t num_sms, int64_t timeout_ns) {
+ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf payload, F32Mat weights,
+                          S32Mat send_pos, S32Vec recv_src_idx, S32Vec recv_src_rank, S32Vec recv_rank_counts,
+                          S32Vec send_row_offset, ffi::Result<AnyBuf> recv, ffi::Result<F32Mat> recv_weights) {
   return Guarded(kCached, [&]() -> ffi::Error {
-    const CommonAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, num_sms, timeout_ns};
+    const OpConfig& a = st->config();
     const auto pd = payload.dimensions();
     JAX_EP_CHECK(kCached, pd.size() == 2, "payload must be [T, W], got " + shape_str(pd));
     const int64_t T = pd[0], W = pd[1];
     const int64_t C = recv_src_idx.dimensions()[0];
     GroupCtx g{};
     int32_t sm_count = 0;
-    if (auto e = make_group_ctx(kCached, ordinal, a, C, &g, &sm_count); !e.success()) return e;
+    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count); !e.success()) return e;
     int64_t row_bytes = 0;
     if (auto e = CheckRowsAndHandle(kCached, a, g, payload, T, C, weights, T, send_pos, recv_src_idx, recv_src_rank,
                                     recv_rank_counts, send_row_offset, &row_bytes);
@@ -217,30 +199,28 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, AnyBuf payload, 
     p.num_weights = static_cast<int32_t>(Kw);
     p.capacity = static_cast<int32_t>(C);
     p.row_bytes = static_cast<int32_t>(row_bytes);
-    p.num_sms = num_sms;
+    p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kCached, st);
-    return ToFfi(kCached, launch_cached_dispatch(p, stream));
+    if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCached, s);
+    return ToFfi(kCached, normal::launch_cached_dispatch(p, stream));
   });
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------------
-constexpr const char* kCombine = "jax_ep_combine_v1";
+constexpr const char* kCombine = "jax_ep_combine_v2";
 
-ffi::Error Combine(cudaStream_t stream, int32_t ordinal, AnyBuf values, F32Mat weights, S32Mat send_pos,
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf values, F32Mat weights, S32Mat send_pos,
                    S32Vec recv_src_idx, S32Vec recv_src_rank, S32Vec recv_rank_counts, S32Vec send_row_offset,
-                   ffi::Result<AnyBuf> y, ffi::Result<F32Mat> y_weights, int64_t group_id, int32_t num_experts,
-                   int32_t hidden, int32_t num_topk, int32_t max_tokens_per_rank, int32_t num_sms,
-                   int64_t timeout_ns) {
+                   ffi::Result<AnyBuf> y, ffi::Result<F32Mat> y_weights) {
   return Guarded(kCombine, [&]() -> ffi::Error {
-    const CommonAttrs a{group_id, num_experts, hidden, num_topk, max_tokens_per_rank, num_sms, timeout_ns};
+    const OpConfig& a = st->config();
     const auto vd = values.dimensions();
     JAX_EP_CHECK(kCombine, vd.size() == 2, "values must be [C, W], got " + shape_str(vd));
     const int64_t C = vd[0], W = vd[1];
     const int64_t T = send_pos.dimensions()[0];
     GroupCtx g{};
     int32_t sm_count = 0;
-    if (auto e = make_group_ctx(kCombine, ordinal, a, C, &g, &sm_count); !e.success()) return e;
+    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count); !e.success()) return e;
     int64_t row_bytes = 0;
     if (auto e = CheckRowsAndHandle(kCombine, a, g, values, T, C, weights, C, send_pos, recv_src_idx, recv_src_rank,
                                     recv_rank_counts, send_row_offset, &row_bytes);
@@ -265,16 +245,20 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, AnyBuf values, F32Mat w
     p.y_weights = Kw > 0 ? y_weights->typed_data() : nullptr;
     p.dtype = elem == 2 ? CombineDtype::kBF16 : CombineDtype::kF32;
     p.num_tokens = static_cast<int32_t>(T);
-    p.max_tokens_per_rank = max_tokens_per_rank;
+    p.max_tokens_per_rank = a.max_tokens_per_rank;
     p.num_weights = static_cast<int32_t>(Kw);
     p.capacity = static_cast<int32_t>(C);
     p.row_bytes = static_cast<int32_t>(row_bytes);
-    p.num_sms = num_sms;
+    p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
-    if (Status st = ensure_device(ordinal); !st.ok()) return ToFfi(kCombine, st);
-    return ToFfi(kCombine, launch_combine(p, stream));
+    if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCombine, s);
+    return ToFfi(kCombine, normal::launch_combine(p, stream));
   });
 }
+
+ffi::ErrorOr<std::unique_ptr<OpState>> InstantiateDispatch(NormalAttrs a) { return OpState::Normal(kDispatch, a); }
+ffi::ErrorOr<std::unique_ptr<OpState>> InstantiateCached(NormalAttrs a) { return OpState::Normal(kCached, a); }
+ffi::ErrorOr<std::unique_ptr<OpState>> InstantiateCombine(NormalAttrs a) { return OpState::Normal(kCombine, a); }
 
 }  // namespace
 }  // namespace jax_ep
@@ -282,19 +266,20 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, AnyBuf values, F32Mat w
 namespace ffi = ::xla::ffi;
 using namespace jax_ep::ffi_types;  // NOLINT
 
-#define JAX_EP_COMMON_ATTRS                           \
-  .Attr<int64_t>("group_id")                          \
-      .Attr<int32_t>("num_experts")                   \
-      .Attr<int32_t>("hidden")                        \
-      .Attr<int32_t>("num_topk")                      \
-      .Attr<int32_t>("max_tokens_per_rank")           \
-      .Attr<int32_t>("num_sms")                       \
-      .Attr<int64_t>("timeout_ns")
+// Instantiate stage: the NormalAttrs of the call site -> its OpState.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV2, jax_ep::InstantiateDispatch,
+                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV2, jax_ep::InstantiateCached,
+                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2, jax_ep::InstantiateCombine,
+                              ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV1, jax_ep::Dispatch,
+// Execute stage (the attributes are in the state; the binding takes none).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV2, jax_ep::Dispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank
+                                  .Ctx<ffi::State<jax_ep::OpState>>()        // the call site (attrs, cache)
                                   .Arg<AnyBuf>()     // x [T, H] bf16 | f8e4m3fn
                                   .Arg<F32Mat>()     // x_scales [T, H/128] f32 (fp8), [T, 0] for bf16
                                   .Arg<S32Mat>()     // topk_idx [T, K]
@@ -309,14 +294,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV1, jax_ep::Dispatch,
                                   .Ret<S32Vec>()     // handle.recv_src_idx [C]
                                   .Ret<S32Vec>()     // handle.recv_src_rank [C]
                                   .Ret<S32Vec>()     // handle.recv_rank_counts [R]
-                                  .Ret<S32Vec>()     // handle.send_row_offset [R]
-                                  JAX_EP_COMMON_ATTRS,
+                                  .Ret<S32Vec>(),    // handle.send_row_offset [R]
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV1, jax_ep::CachedDispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2, jax_ep::CachedDispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank
+                                  .Ctx<ffi::State<jax_ep::OpState>>()        // the call site (attrs, cache)
                                   .Arg<AnyBuf>()   // payload [T, W] bf16 | f32
                                   .Arg<F32Mat>()   // weights [T, Kw] f32 (Kw = 0: none)
                                   .Arg<S32Mat>()   // handle.send_pos [T, R]
@@ -325,14 +310,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV1, jax_ep::CachedDispatch,
                                   .Arg<S32Vec>()   // handle.recv_rank_counts [R]
                                   .Arg<S32Vec>()   // handle.send_row_offset [R]
                                   .Ret<AnyBuf>()   // recv [C, W]
-                                  .Ret<F32Mat>()   // recv_weights [C, Kw]
-                                  JAX_EP_COMMON_ATTRS,
+                                  .Ret<F32Mat>(),  // recv_weights [C, Kw]
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineCudaV1, jax_ep::Combine,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineCudaV2, jax_ep::Combine,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank
+                                  .Ctx<ffi::State<jax_ep::OpState>>()        // the call site (attrs, cache)
                                   .Arg<AnyBuf>()   // values [C, W] bf16 | f32
                                   .Arg<F32Mat>()   // weights [C, Kw] f32 (Kw = 0: none)
                                   .Arg<S32Mat>()   // handle.send_pos [T, R]
@@ -341,6 +326,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineCudaV1, jax_ep::Combine,
                                   .Arg<S32Vec>()   // handle.recv_rank_counts [R]
                                   .Arg<S32Vec>()   // handle.send_row_offset [R]
                                   .Ret<AnyBuf>()   // y [T, W] values dtype
-                                  .Ret<F32Mat>()   // y_weights [T, Kw] f32
-                                  JAX_EP_COMMON_ATTRS,
+                                  .Ret<F32Mat>(),  // y_weights [T, Kw] f32
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,45 @@
+// Warp-wide copies of 16-byte vectors and bf16 unpacking, shared by the kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "common/ptx.cuh"
+#include "common/thread.cuh"
+
+namespace jax_ep {
+
+// Eight bf16 values (one 16-byte vector) as floats.
+__device__ __forceinline__ void unpack_bf16x8(const int4& v, float f[8]) {
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h2[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// One warp copies `bytes` (a multiple of 16) of peer-written data: L1-bypassing loads (ld.cg).
+__device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
+  const int n16 = bytes / 16;
+  for (int j = lane_id(); j < n16; j += 32)
+    st_v4(reinterpret_cast<int4*>(dst) + j, ld_cg_v4(reinterpret_cast<const int4*>(src) + j));
+}
+
+// One warp copies at most 2048 bytes (4 vectors per lane) of read-only input: every load issued before any store.
+__device__ __forceinline__ void copy_segment_nc(char* dst, const char* src, int bytes) {
+  const int n16 = bytes / 16;
+  int4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) v[u] = ld_nc_v4(reinterpret_cast<const int4*>(src) + j);
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, v[u]);
+  }
+}
+
+}  // namespace jax_ep

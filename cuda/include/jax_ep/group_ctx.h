@@ -1,0 +1,27 @@
+// What every kernel knows about its group: the peers' staging buffers, its rank, the wait budget. Filled by the
+// handlers from the transport's group view (peer_group.h); the same struct serves both process models.
+#pragma once
+
+#include <cstdint>
+
+#include "jax_ep/constants.h"
+#include "jax_ep/staging_layout.h"
+
+namespace jax_ep {
+
+// Staging buffer base of every rank of the group (this rank's too), as this device addresses them. The in-process
+// transport fills it from cudaMalloc + peer access; the one-process-per-GPU transport from nvshmem_ptr.
+// NOTE: passed by value in the kernel parameters (constant bank), so no device-side table lookup per access.
+struct PeerTable {
+  char* base[kMaxGroupRanks];
+};
+
+struct GroupCtx {
+  PeerTable peers;
+  BufferLayout layout;   // normal mode: offsets of this call's config inside every rank's staging (LL: unused)
+  int32_t rank;          // this device's rank in the group (= its index along the mesh axis)
+  int32_t num_ranks;     // R <= kMaxGroupRanks
+  uint64_t timeout_ns;   // device waits trap after this long
+};
+
+}  // namespace jax_ep

@@ -1,0 +1,155 @@
+// The staging buffer of one rank: its layout in both modes and the plan that sizes it. The one owner of these
+// formulas (Python asks the native module: normal_buffer_bytes, low_latency_buffer_bytes, staging_plan).
+//
+//   buffer = [signal header | normal region ... | low-latency region]
+//             0               kSignalHeaderBytes  ll_offset            ll_offset + ll_bytes
+//
+// The runtime allocates one buffer per device sized by staging_plan() over every config it serves: the normal region
+// is as large as the largest normal layout, the low-latency region (when any config has LL buffers) starts at
+// ll_offset = the aligned end of the normal region and is as large as the largest LL region. bind_axis() tells the
+// handlers (ll_offset, ll_bytes), so every LL config of a program addresses the same region.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "jax_ep/constants.h"
+#include "jax_ep/macros.h"
+
+namespace jax_ep {
+
+JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) / a * a; }
+
+// ---- normal mode ----------------------------------------------------------------------------------------------
+//   [signals | payload | scales | topk_idx | topk_weights | src_idx], each region aligned to kAlign bytes.
+//   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L] and scratch.
+//   rows = max(capacity, R * T_max): dispatch receives up to `capacity` rows, combine one slot per (peer, token).
+//   Dispatch and combine never use the region at the same time: every op begins with a group barrier.
+struct BufferLayout {
+  int64_t rows;            // staging rows
+  int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
+  int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
+  int64_t payload;         // rows x payload_stride bytes
+  int64_t payload_stride;  // bytes per row (4 * hidden: the f32 worst case)
+  int64_t scales;          // f32 [rows][ceil(H/128)]
+  int64_t topk_idx;        // i32 [rows][K]
+  int64_t topk_weights;    // f32 [rows][K]
+  int64_t src_idx;         // i32 [rows]
+  int64_t total;           // bytes
+};
+
+JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
+  return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4));
+}
+
+JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank,
+                                          int64_t num_ranks, int64_t capacity, int64_t num_experts) {
+  BufferLayout b{};
+  b.rows = capacity > num_ranks * max_tokens_per_rank ? capacity : num_ranks * max_tokens_per_rank;
+  const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
+  b.counts = kSignalHeaderBytes;
+  b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
+  b.payload_stride = 4 * hidden;
+  b.payload = signal_bytes(num_ranks, num_experts);
+  b.scales = b.payload + align_up(b.rows * b.payload_stride);
+  b.topk_idx = b.scales + align_up(b.rows * 4 * scale_cols);
+  b.topk_weights = b.topk_idx + align_up(b.rows * 4 * num_topk);
+  b.src_idx = b.topk_weights + align_up(b.rows * 4 * num_topk);
+  b.total = b.src_idx + align_up(b.rows * 4);
+  return b;
+}
+
+inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks,
+                                   int64_t capacity, int64_t num_experts) {
+  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts).total;
+}
+
+// ---- low-latency mode -----------------------------------------------------------------------------------------
+//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | half 0 | half 1]
+//
+// LL ops (dispatch and combine alike) take consecutive epochs n = 1, 2, ... from one device counter; op n uses
+// half n % 2. A rank writes into a peer's half only after that peer has finished reading the op two epochs back
+// from the same half (the peer's "consumed" word of that half), so no op ever waits for a clean step and data of
+// consecutive ops never collides. At most two LL ops (of all LL configs together) may be between their send and
+// their receive at once: the state/token protocol (ll_params.h) refuses a third. One half:
+//
+//   c_flags  u32[E]          combine: epoch at which the owner of expert e finished writing its rows here
+//   d_flags  u32[L][R]       dispatch: epoch at which source rank s finished writing its rows of local expert l
+//   d_counts i32[L][R]       dispatch: rows source s wrote for local expert l (valid once d_flags says so)
+//   rows                     dispatch: messages [L][R][T_max], msg_stride bytes each:
+//                              [i32 source token, 12 bytes pad | payload (H fp8 or 2H bf16) | fp8: S f32 scales]
+//                            combine:  rows [E][T_max] of 2H bytes (bf16), row (e, t) = expert e's output for t
+//
+// NOTE: every flag word has exactly one writer (d_flags[l][s]: rank s; c_flags[e]: e's owner), so two writes to
+// one word are ordered by that writer's stream, and a late write from an old epoch can never overwrite a newer one.
+struct LowLatencyLayout {
+  int64_t scratch;      // buffer offset of the scratch counters
+  int64_t half[2];      // buffer offsets of the two halves
+  int64_t c_flags;      // offsets inside a half
+  int64_t d_flags;
+  int64_t d_counts;
+  int64_t rows;
+  int64_t msg_stride;   // dispatch message bytes
+  int64_t half_needed;  // bytes this config needs in one half
+};
+
+JAX_EP_HD int64_t ll_msg_stride(int64_t hidden) {
+  const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
+  return align_up(kLowLatencyMsgHeader + 2 * hidden + 4 * scale_cols, 16);
+}
+
+// region_offset / half_bytes: where the LL region is and how big one half is (0, 0 for the size computation only).
+JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts,
+                                                   int64_t region_offset, int64_t half_bytes) {
+  LowLatencyLayout b{};
+  const int64_t E = num_experts;
+  b.c_flags = 0;
+  b.d_flags = align_up(4 * E);
+  b.d_counts = b.d_flags + align_up(4 * E);
+  b.rows = b.d_counts + align_up(4 * E);
+  b.msg_stride = ll_msg_stride(hidden);
+  const int64_t dispatch_end = b.rows + E * max_tokens_per_rank * b.msg_stride;  // L * R = E messages per token slot
+  const int64_t combine_end = b.rows + E * max_tokens_per_rank * 2 * hidden;
+  b.half_needed = align_up(dispatch_end > combine_end ? dispatch_end : combine_end);
+  b.scratch = region_offset;
+  b.half[0] = region_offset + kLowLatencyScratchBytes;
+  b.half[1] = b.half[0] + half_bytes;
+  return b;
+}
+
+// Bytes of the low-latency region one rank needs for a config (both halves and the scratch). num_ranks does not
+// enter the formula (E = L * R messages per token slot) but is part of the config's identity.
+inline int64_t low_latency_buffer_bytes(int64_t hidden, int64_t max_tokens_per_rank, int64_t /*num_ranks*/,
+                                        int64_t num_experts) {
+  return kLowLatencyScratchBytes +
+         2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, 0, 0).half_needed;
+}
+
+// Bytes of one half inside an LL region of ll_bytes (what a bound region offers every config).
+JAX_EP_HD int64_t ll_half_bytes(int64_t ll_bytes) {
+  return ll_bytes > kLowLatencyScratchBytes ? (ll_bytes - kLowLatencyScratchBytes) / 2 / kAlign * kAlign : 0;
+}
+
+// ---- the plan -------------------------------------------------------------------------------------------------
+struct StagingPlan {
+  int64_t buffer_bytes;  // per device
+  int64_t ll_offset;     // start of the LL region (= aligned end of the normal region, >= kSignalHeaderBytes)
+  int64_t ll_bytes;      // LL region bytes, 0 when no config has LL buffers
+};
+
+// normal[i]: normal_buffer_bytes of config i; low_latency[j]: low_latency_buffer_bytes of config j with LL buffers.
+// Values must be >= 0 (the module checks).
+inline StagingPlan make_staging_plan(const int64_t* normal, size_t num_normal, const int64_t* low_latency,
+                                     size_t num_low_latency) {
+  int64_t normal_max = kSignalHeaderBytes;  // the header always exists
+  for (size_t i = 0; i < num_normal; ++i) normal_max = normal[i] > normal_max ? normal[i] : normal_max;
+  int64_t ll_max = 0;
+  for (size_t i = 0; i < num_low_latency; ++i) ll_max = low_latency[i] > ll_max ? low_latency[i] : ll_max;
+  StagingPlan p{};
+  p.ll_offset = align_up(normal_max);
+  p.ll_bytes = ll_max;
+  p.buffer_bytes = p.ll_offset + align_up(ll_max);
+  return p;
+}
+
+}  // namespace jax_ep

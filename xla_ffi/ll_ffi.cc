@@ -1,0 +1,349 @@
+// FFI targets of the low-latency mode (decode, SPEC §4), platform "CUDA", stateful bundles {instantiate, execute}.
+// Every target takes the chain state [4] s32 as its LAST operand and returns the next state as its LAST result
+// (Python aliases the two); the kernels read and write it on the device (protocol: cuda/include/jax_ep/ll_params.h).
+//
+//   jax_ep_ll_dispatch_v2        x [T, H] bf16, topk_idx [T, K] s32, state
+//                                  -> recv_x [L, R*T_max, H] (f8e4m3fn | bf16), recv_x_scales [L, R*T_max, S] f32
+//                                     (S = H/128 with use_fp8, else 0), recv_count [L], src_info [L, R*T_max],
+//                                     layout_range [L, R] (s32), state
+//   jax_ep_ll_dispatch_send_v2   x, topk_idx, state -> token [4] s32, state
+//   jax_ep_ll_dispatch_recv_v2   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range, state
+//   jax_ep_ll_combine_v2         expert_out [L, R*T_max, H] bf16, src_info, layout_range, topk_idx [T, K] s32,
+//                                topk_weights [T, K] f32, state -> y [T, H] bf16, state
+//   jax_ep_ll_combine_send_v2    expert_out, src_info, layout_range, state -> token, state
+//   jax_ep_ll_combine_recv_v2    token, topk_idx, topk_weights, state -> y, state
+// The fused targets launch the send kernel and the receive kernel back to back (one handler); the split targets one
+// kernel each. Attributes: LowLatencyAttrs (attrs.h). The LL region of the staging comes from the axis binding.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "attrs.h"
+#include "checks.h"
+#include "errors.h"
+#include "jax_ep/api.h"
+#include "jax_ep/constants.h"
+#include "jax_ep/signal_header.h"
+#include "op_state.h"
+#include "registry.h"
+#include "types.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using ffi_util::ensure_device;
+using ffi_util::Guarded;
+using ffi_util::ToFfi;
+using namespace ffi_types;  // NOLINT
+
+// Runs a handler body with the call site resolved on this device (group, LL region, validated config).
+template <typename Body>
+ffi::Error WithContext(OpState* st, int32_t ordinal, Body&& body) {
+  return Guarded(st->target(), [&]() -> ffi::Error {
+    const Resolved* r = nullptr;
+    if (auto e = st->resolve(ordinal, &r); !e.success()) return e;
+    return body(r->ll);
+  });
+}
+
+// Launches on the handler's device (kernel launches go to XLA's stream of that device).
+template <typename Launch>
+ffi::Error LaunchOn(const char* target, int32_t ordinal, Launch&& launch) {
+  if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(target, s);
+  return ToFfi(target, launch());
+}
+
+// The header slot joining the two kernels of a fused op (SignalHeader::kLlFusedToken, this rank's own buffer).
+int32_t* fused_token(const ll::Ctx& c) {
+  return reinterpret_cast<int32_t*>(c.g.peers.base[c.g.rank] + SignalHeader::kLlFusedToken);
+}
+
+ffi::Error CheckWords(const char* target, const char* name, const S32Vec& buf) {
+  JAX_EP_CHECK_SHAPE(target, name, buf, ll::kStateWords);
+  return ffi::Error::Success();
+}
+
+// ---- parameter filling, one per kernel; each checks the buffers it reads or writes ----------------------------
+ffi::Error FillDispatchSend(const char* target, const OpState& st, const ll::Ctx& c, const AnyBuf& x,
+                            const S32Mat& topk_idx, ll::DispatchSendParams* p) {
+  const OpConfig& a = st.config();
+  JAX_EP_CHECK(target, x.element_type() == ffi::DataType::BF16, "x must be bfloat16");
+  const auto xd = x.dimensions();
+  JAX_EP_CHECK(target, xd.size() == 2 && xd[1] == a.hidden,
+               "x must be [T, " + std::to_string(a.hidden) + "], got " + ffi_util::shape_str(xd));
+  const int64_t T = xd[0];
+  JAX_EP_CHECK(target, T <= a.max_tokens_per_rank,
+               "T=" + std::to_string(T) + " exceeds max_tokens_per_rank=" + std::to_string(a.max_tokens_per_rank));
+  JAX_EP_CHECK_SHAPE(target, "topk_idx", topk_idx, T, a.num_topk);
+  p->c = c;
+  p->x = x.untyped_data();
+  p->topk_idx = topk_idx.typed_data();
+  p->num_tokens = static_cast<int32_t>(T);
+  p->num_topk = a.num_topk;
+  p->use_fp8 = a.use_fp8;
+  return ffi::Error::Success();
+}
+
+ffi::Error FillDispatchRecv(const char* target, const OpState& st, const ll::Ctx& c, AnyBuf& recv_x,
+                            F32Cube& recv_x_scales, S32Vec& recv_count, S32Mat& src_info, S32Mat& layout_range,
+                            ll::DispatchRecvParams* p) {
+  const OpConfig& a = st.config();
+  const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * c.max_tokens, H = c.hidden;
+  const int64_t S = a.use_fp8 ? H / kFp8Block : 0;
+  JAX_EP_CHECK(target, recv_x.element_type() == (a.use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16),
+               "recv_x must be float8_e4m3fn with use_fp8, else bfloat16");
+  JAX_EP_CHECK_SHAPE(target, "recv_x", recv_x, L, rows, H);
+  JAX_EP_CHECK_SHAPE(target, "recv_x_scales", recv_x_scales, L, rows, S);
+  JAX_EP_CHECK_SHAPE(target, "recv_count", recv_count, L);
+  JAX_EP_CHECK_SHAPE(target, "src_info", src_info, L, rows);
+  JAX_EP_CHECK_SHAPE(target, "layout_range", layout_range, L, R);
+  p->c = c;
+  p->recv_x = recv_x.untyped_data();
+  p->recv_x_scales = a.use_fp8 ? recv_x_scales.typed_data() : nullptr;
+  p->recv_count = recv_count.typed_data();
+  p->src_info = src_info.typed_data();
+  p->layout_range = layout_range.typed_data();
+  p->use_fp8 = a.use_fp8;
+  return ffi::Error::Success();
+}
+
+ffi::Error FillCombineSend(const char* target, const ll::Ctx& c, const AnyBuf& expert_out, const S32Mat& src_info,
+                           const S32Mat& layout_range, ll::CombineSendParams* p) {
+  const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * c.max_tokens;
+  JAX_EP_CHECK(target, expert_out.element_type() == ffi::DataType::BF16, "expert_out must be bfloat16");
+  JAX_EP_CHECK_SHAPE(target, "expert_out", expert_out, L, rows, c.hidden);
+  JAX_EP_CHECK_SHAPE(target, "src_info", src_info, L, rows);
+  JAX_EP_CHECK_SHAPE(target, "layout_range", layout_range, L, R);
+  p->c = c;
+  p->expert_out = expert_out.untyped_data();
+  p->src_info = src_info.typed_data();
+  p->layout_range = layout_range.typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error FillCombineRecv(const char* target, const OpState& st, const ll::Ctx& c, const S32Mat& topk_idx,
+                           const F32Mat& topk_weights, AnyBuf& y, ll::CombineRecvParams* p) {
+  const OpConfig& a = st.config();
+  const int64_t T = topk_idx.dimensions()[0];
+  JAX_EP_CHECK(target, T <= a.max_tokens_per_rank,
+               "T=" + std::to_string(T) + " exceeds max_tokens_per_rank=" + std::to_string(a.max_tokens_per_rank));
+  JAX_EP_CHECK_SHAPE(target, "topk_idx", topk_idx, T, a.num_topk);
+  JAX_EP_CHECK_SHAPE(target, "topk_weights", topk_weights, T, a.num_topk);
+  JAX_EP_CHECK(target, y.element_type() == ffi::DataType::BF16, "y must be bfloat16");
+  JAX_EP_CHECK_SHAPE(target, "y", y, T, c.hidden);
+  p->c = c;
+  p->topk_idx = topk_idx.typed_data();
+  p->topk_weights = topk_weights.typed_data();
+  p->y = y.untyped_data();
+  p->num_tokens = static_cast<int32_t>(T);
+  p->num_topk = a.num_topk;
+  return ffi::Error::Success();
+}
+
+// ---- dispatch -----------------------------------------------------------------------------------------------------
+constexpr const char* kDispatch = "jax_ep_ll_dispatch_v2";
+constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v2";
+constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v2";
+
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, S32Mat topk_idx, S32Vec state,
+                    ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales, ffi::Result<S32Vec> recv_count,
+                    ffi::Result<S32Mat> src_info, ffi::Result<S32Mat> layout_range, ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kDispatch, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kDispatch, "state (result)", *state_out); !e.success()) return e;
+    ll::DispatchSendParams s{};
+    ll::DispatchRecvParams r{};
+    if (auto e = FillDispatchSend(kDispatch, *st, c, x, topk_idx, &s); !e.success()) return e;
+    if (auto e = FillDispatchRecv(kDispatch, *st, c, *recv_x, *recv_x_scales, *recv_count, *src_info,
+                                  *layout_range, &r);
+        !e.success())
+      return e;
+    s.fused = true;
+    s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), fused_token(c)};
+    r.io = ll::ChainIO{nullptr, nullptr, fused_token(c)};
+    return LaunchOn(kDispatch, ordinal, [&] { return ll::launch_dispatch(s, r, stream); });
+  });
+}
+
+ffi::Error DispatchSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, S32Mat topk_idx, S32Vec state,
+                        ffi::Result<S32Vec> token, ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kDispatchSend, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kDispatchSend, "state (result)", *state_out); !e.success()) return e;
+    if (auto e = CheckWords(kDispatchSend, "token", *token); !e.success()) return e;
+    ll::DispatchSendParams s{};
+    if (auto e = FillDispatchSend(kDispatchSend, *st, c, x, topk_idx, &s); !e.success()) return e;
+    s.fused = false;
+    s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token->typed_data()};
+    return LaunchOn(kDispatchSend, ordinal, [&] { return ll::launch_dispatch_send(s, stream); });
+  });
+}
+
+ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Vec token, S32Vec state,
+                        ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales,
+                        ffi::Result<S32Vec> recv_count, ffi::Result<S32Mat> src_info,
+                        ffi::Result<S32Mat> layout_range, ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kDispatchRecv, "token", token); !e.success()) return e;
+    if (auto e = CheckWords(kDispatchRecv, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kDispatchRecv, "state (result)", *state_out); !e.success()) return e;
+    ll::DispatchRecvParams r{};
+    if (auto e = FillDispatchRecv(kDispatchRecv, *st, c, *recv_x, *recv_x_scales, *recv_count, *src_info,
+                                  *layout_range, &r);
+        !e.success())
+      return e;
+    r.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token.typed_data()};
+    return LaunchOn(kDispatchRecv, ordinal, [&] { return ll::launch_dispatch_recv(r, stream); });
+  });
+}
+
+// ---- combine ------------------------------------------------------------------------------------------------------
+constexpr const char* kCombine = "jax_ep_ll_combine_v2";
+constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v2";
+constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v2";
+
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
+                   S32Mat layout_range, S32Mat topk_idx, F32Mat topk_weights, S32Vec state, ffi::Result<AnyBuf> y,
+                   ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kCombine, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kCombine, "state (result)", *state_out); !e.success()) return e;
+    ll::CombineSendParams s{};
+    ll::CombineRecvParams r{};
+    if (auto e = FillCombineSend(kCombine, c, expert_out, src_info, layout_range, &s); !e.success()) return e;
+    if (auto e = FillCombineRecv(kCombine, *st, c, topk_idx, topk_weights, *y, &r); !e.success()) return e;
+    s.fused = true;
+    s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), fused_token(c)};
+    r.io = ll::ChainIO{nullptr, nullptr, fused_token(c)};
+    return LaunchOn(kCombine, ordinal, [&] { return ll::launch_combine(s, r, stream); });
+  });
+}
+
+ffi::Error CombineSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
+                       S32Mat layout_range, S32Vec state, ffi::Result<S32Vec> token,
+                       ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kCombineSend, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kCombineSend, "state (result)", *state_out); !e.success()) return e;
+    if (auto e = CheckWords(kCombineSend, "token", *token); !e.success()) return e;
+    ll::CombineSendParams s{};
+    if (auto e = FillCombineSend(kCombineSend, c, expert_out, src_info, layout_range, &s); !e.success()) return e;
+    s.fused = false;
+    s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token->typed_data()};
+    return LaunchOn(kCombineSend, ordinal, [&] { return ll::launch_combine_send(s, stream); });
+  });
+}
+
+ffi::Error CombineRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Vec token, S32Mat topk_idx,
+                       F32Mat topk_weights, S32Vec state, ffi::Result<AnyBuf> y, ffi::Result<S32Vec> state_out) {
+  return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
+    if (auto e = CheckWords(kCombineRecv, "token", token); !e.success()) return e;
+    if (auto e = CheckWords(kCombineRecv, "state", state); !e.success()) return e;
+    if (auto e = CheckWords(kCombineRecv, "state (result)", *state_out); !e.success()) return e;
+    ll::CombineRecvParams r{};
+    if (auto e = FillCombineRecv(kCombineRecv, *st, c, topk_idx, topk_weights, *y, &r); !e.success()) return e;
+    r.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token.typed_data()};
+    return LaunchOn(kCombineRecv, ordinal, [&] { return ll::launch_combine_recv(r, stream); });
+  });
+}
+
+// ---- instantiate: the LowLatencyAttrs of the call site -> its OpState ----------------------------------------------
+using StateOr = ffi::ErrorOr<std::unique_ptr<OpState>>;
+StateOr InstantiateDispatch(LowLatencyAttrs a) { return OpState::LowLatency(kDispatch, a); }
+StateOr InstantiateDispatchSend(LowLatencyAttrs a) { return OpState::LowLatency(kDispatchSend, a); }
+StateOr InstantiateDispatchRecv(LowLatencyAttrs a) { return OpState::LowLatency(kDispatchRecv, a); }
+StateOr InstantiateCombine(LowLatencyAttrs a) { return OpState::LowLatency(kCombine, a); }
+StateOr InstantiateCombineSend(LowLatencyAttrs a) { return OpState::LowLatency(kCombineSend, a); }
+StateOr InstantiateCombineRecv(LowLatencyAttrs a) { return OpState::LowLatency(kCombineRecv, a); }
+
+}  // namespace
+}  // namespace jax_ep
+
+namespace ffi = ::xla::ffi;
+using namespace jax_ep::ffi_types;  // NOLINT
+
+#define JAX_EP_LL_INSTANTIATE(symbol, fn) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, ffi::Ffi::BindInstantiate().Attrs<jax_ep::LowLatencyAttrs>())
+
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchInstantiateV2, jax_ep::InstantiateDispatch);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchSendInstantiateV2, jax_ep::InstantiateDispatchSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchRecvInstantiateV2, jax_ep::InstantiateDispatchRecv);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineInstantiateV2, jax_ep::InstantiateCombine);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineSendInstantiateV2, jax_ep::InstantiateCombineSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV2, jax_ep::InstantiateCombineRecv);
+
+// Execute stage: the attributes are in the state, the binding takes none.
+#define JAX_EP_LL_EXECUTE_CTX                                                                         \
+  ffi::Ffi::Bind()                                                                                    \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* XLA's stream for this device */                    \
+      .Ctx<ffi::DeviceOrdinal>()                /* resolves the group and the rank */                 \
+      .Ctx<ffi::State<jax_ep::OpState>>()       /* the call site: config + per-device cache */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV2, jax_ep::Dispatch,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<AnyBuf>()   // x [T, H] bf16
+                                  .Arg<S32Mat>()   // topk_idx [T, K]
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<AnyBuf>()   // recv_x [L, R*T_max, H] f8e4m3fn | bf16
+                                  .Ret<F32Cube>()  // recv_x_scales [L, R*T_max, S]
+                                  .Ret<S32Vec>()   // recv_count [L]
+                                  .Ret<S32Mat>()   // src_info [L, R*T_max]
+                                  .Ret<S32Mat>()   // layout_range [L, R]
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV2, jax_ep::DispatchSend,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<AnyBuf>()   // x [T, H] bf16
+                                  .Arg<S32Mat>()   // topk_idx [T, K]
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<S32Vec>()   // token [4]
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV2, jax_ep::DispatchRecv,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<S32Vec>()   // token [4] (from the send)
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<AnyBuf>()   // recv_x [L, R*T_max, H] f8e4m3fn | bf16
+                                  .Ret<F32Cube>()  // recv_x_scales [L, R*T_max, S]
+                                  .Ret<S32Vec>()   // recv_count [L]
+                                  .Ret<S32Mat>()   // src_info [L, R*T_max]
+                                  .Ret<S32Mat>()   // layout_range [L, R]
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV2, jax_ep::Combine,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
+                                  .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
+                                  .Arg<S32Mat>()   // layout_range [L, R] (handle)
+                                  .Arg<S32Mat>()   // topk_idx [T, K]
+                                  .Arg<F32Mat>()   // topk_weights [T, K]
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<AnyBuf>()   // y [T, H] bf16
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV2, jax_ep::CombineSend,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
+                                  .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
+                                  .Arg<S32Mat>()   // layout_range [L, R] (handle)
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<S32Vec>()   // token [4]
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV2, jax_ep::CombineRecv,
+                              JAX_EP_LL_EXECUTE_CTX
+                                  .Arg<S32Vec>()   // token [4] (from the send)
+                                  .Arg<S32Mat>()   // topk_idx [T, K]
+                                  .Arg<F32Mat>()   // topk_weights [T, K]
+                                  .Arg<S32Vec>()   // state [4]
+                                  .Ret<AnyBuf>()   // y [T, H] bf16
+                                  .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,143 @@
+#include "op_state.h"
+
+#include <string>
+#include <utility>
+
+#include "errors.h"
+#include "jax_ep/constants.h"
+#include "jax_ep/staging_layout.h"
+
+namespace jax_ep {
+
+namespace ffi = ::xla::ffi;
+
+ffi::TypeId OpState::id = {};
+
+namespace {
+
+// Checks shared by both modes (independent of the group). Empty string: fine.
+std::string check_common(std::string_view axis, int32_t num_experts, int32_t hidden, int32_t num_topk,
+                         int32_t max_tokens_per_rank, int64_t timeout_ns) {
+  if (axis.empty()) return "attribute axis (the EP mesh axis name) is empty";
+  if (num_experts <= 0) return "num_experts must be positive, got " + std::to_string(num_experts);
+  if (hidden <= 0) return "hidden must be positive, got " + std::to_string(hidden);
+  if (max_tokens_per_rank <= 0)
+    return "max_tokens_per_rank must be positive, got " + std::to_string(max_tokens_per_rank);
+  if (num_topk < 1 || num_topk > kMaxTopk)
+    return "num_topk must be in [1, " + std::to_string(kMaxTopk) + "], got " + std::to_string(num_topk);
+  if (timeout_ns < 0) return "timeout_ns must be >= 0, got " + std::to_string(timeout_ns);
+  return {};
+}
+
+uint64_t timeout_of(int64_t ns) { return static_cast<uint64_t>(ns > 0 ? ns : 1); }
+
+}  // namespace
+
+ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const NormalAttrs& a) {
+  std::string err = check_common(a.axis, a.num_experts, a.hidden, a.num_topk, a.max_tokens_per_rank, a.timeout_ns);
+  if (err.empty() && a.num_experts > kMaxLayoutExperts)
+    err = "num_experts must be <= " + std::to_string(kMaxLayoutExperts) + ", got " + std::to_string(a.num_experts);
+  if (err.empty() && a.num_sms < 1) err = "num_sms must be >= 1, got " + std::to_string(a.num_sms);
+  if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
+  OpConfig c;
+  c.num_experts = a.num_experts;
+  c.hidden = a.hidden;
+  c.num_topk = a.num_topk;
+  c.max_tokens_per_rank = a.max_tokens_per_rank;
+  c.num_sms = a.num_sms;
+  c.timeout_ns = timeout_of(a.timeout_ns);
+  return std::unique_ptr<OpState>(new OpState(target, OpMode::kNormal, std::string(a.axis), c));
+}
+
+ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, const LowLatencyAttrs& a) {
+  std::string err = check_common(a.axis, a.num_experts, a.hidden, a.num_topk, a.max_tokens_per_rank, a.timeout_ns);
+  if (err.empty() && a.num_experts > kMaxLowLatencyExperts)
+    err = "num_experts must be <= " + std::to_string(kMaxLowLatencyExperts) + " in low-latency mode, got " +
+          std::to_string(a.num_experts);
+  if (err.empty() && a.hidden % 8 != 0) err = "hidden must be a multiple of 8, got " + std::to_string(a.hidden);
+  if (err.empty() && a.use_fp8 != 0 && a.hidden % kFp8Block != 0)
+    err = "fp8 dispatch needs hidden % 128 == 0, got hidden=" + std::to_string(a.hidden);
+  if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
+  OpConfig c;
+  c.num_experts = a.num_experts;
+  c.hidden = a.hidden;
+  c.num_topk = a.num_topk;
+  c.max_tokens_per_rank = a.max_tokens_per_rank;
+  c.use_fp8 = a.use_fp8 != 0;
+  c.timeout_ns = timeout_of(a.timeout_ns);
+  return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
+}
+
+GroupCtx OpState::group_ctx(const Resolved& r) const {
+  GroupCtx g{};
+  g.peers = r.view.peers;
+  g.rank = r.view.rank;
+  g.num_ranks = r.view.num_ranks;
+  g.timeout_ns = config_.timeout_ns;
+  return g;
+}
+
+// Checks of this config against the group found (its size R, its buffer) and the bound LL region.
+ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
+  const int R = rg.view.num_ranks;
+  const OpConfig& c = config_;
+  if (R < 1 || c.num_experts % R != 0)
+    return ffi_util::Invalid(target_, "num_experts (" + std::to_string(c.num_experts) +
+                                          ") must be a multiple of the group size (" + std::to_string(R) + ")");
+  out->generation = rg.generation;
+  out->view = rg.view;
+  out->binding = rg.binding;
+  out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
+  if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
+
+  const AxisBinding& b = rg.binding;
+  if (b.ll_bytes <= kLowLatencyScratchBytes)
+    return ffi_util::Invalid(target_, "the runtime has no low-latency buffers for mesh axis '" + axis_ +
+                                          "' (EPConfig.low_latency_buffers)");
+  if (b.ll_offset < kSignalHeaderBytes || b.ll_offset % kAlign != 0 || b.ll_offset + b.ll_bytes > rg.view.buffer_bytes)
+    return ffi_util::Invalid(target_, "low-latency region [" + std::to_string(b.ll_offset) + ", +" +
+                                          std::to_string(b.ll_bytes) + ") does not fit the group's " +
+                                          std::to_string(rg.view.buffer_bytes) + "-byte staging buffer");
+  const int64_t half_bytes = ll_half_bytes(b.ll_bytes);
+  const LowLatencyLayout layout =
+      make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, b.ll_offset, half_bytes);
+  if (layout.half_needed > half_bytes)
+    return ffi_util::Invalid(target_, "this config needs " + std::to_string(layout.half_needed) +
+                                          " bytes per low-latency half but the runtime has " +
+                                          std::to_string(half_bytes) + " (pass this config to jax_ep.initialize)");
+  out->ll.g = group_ctx(*out);
+  out->ll.ll = layout;
+  out->ll.num_experts = c.num_experts;
+  out->ll.num_local = c.num_experts / R;
+  out->ll.hidden = c.hidden;
+  out->ll.max_tokens = c.max_tokens_per_rank;
+  out->ll.sm_count = rg.view.sm_count;
+  return ffi::Error::Success();
+}
+
+ffi::Error OpState::resolve(int32_t ordinal, const Resolved** out) {
+  if (ordinal < 0 || ordinal >= kMaxDevices)
+    return ffi_util::Invalid(target_, "device ordinal " + std::to_string(ordinal) + " out of range [0, " +
+                                          std::to_string(kMaxDevices) + ")");
+  const uint64_t gen = binding_generation();
+  std::atomic<const Resolved*>& slot = cache_[ordinal];
+  if (const Resolved* hit = slot.load(std::memory_order_acquire); hit != nullptr && hit->generation == gen) {
+    *out = hit;
+    return ffi::Error::Success();
+  }
+  ResolvedGroup rg;
+  if (Status st = resolve_axis(axis_, ordinal, &rg); !st.ok())
+    return ffi_util::Precondition(target_, st.message());
+  auto fresh = std::make_unique<Resolved>();
+  if (auto e = validate(rg, fresh.get()); !e.success()) return e;
+  const Resolved* published = fresh.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    owned_.push_back(std::move(fresh));
+  }
+  slot.store(published, std::memory_order_release);
+  *out = published;
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_ep
