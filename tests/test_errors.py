@@ -58,8 +58,8 @@ def test_config_is_hashable_and_frozen():
 
 def test_wrong_x_dtype_names_x():
     x, idx, w = good()
-    expect(r"x must have dtype bfloat16 or float8_e4m3fn, got float32",
-           lambda x, i, w: jax_ep.dispatch(x, i, w, cfg()).recv_x, x.astype(jnp.float32), idx, w,
+    expect(r"x must have dtype bfloat16 or float32 or float8_e4m3fn, got float16",
+           lambda x, i, w: jax_ep.dispatch(x, i, w, cfg()).recv_x, x.astype(jnp.float16), idx, w,
            exc=jax_ep.EPTypeError)
 
 

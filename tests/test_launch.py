@@ -1,5 +1,6 @@
-"""python -m jax_ep.launch (one process per accelerator) and jax_ep.launch.init_from_env, on CPU.
+"""python -m jax_ep.launch (one process per accelerator, one host) and jax_ep.launch.init_from_env, on CPU.
 
+Several hosts (two launchers forming one job, SLURM variables): tests/test_launch_multihost.py.
 Multi-process runs use real processes, jax.distributed over loopback and gloo CPU collectives (the default CPU
 collectives implementation on jax 0.10.2). The child programs are in tests/multiprocess/. Children get a clean
 environment: XLA_FLAGS (8 forced devices, set by conftest.py for the in-process tests) is removed and each child
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from jax_ep import launch
+from jax_ep.launch import cli, join
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP = os.path.join(ROOT, "tests", "multiprocess")
@@ -70,10 +72,13 @@ def assert_gone(pids, out):
 # ---------------------------------------------------------------------------------------------------------
 # (1) topology + cross-process collectives
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
-def test_collectives_across_processes(nproc, local):
-    rc, out, err, dt = run_launcher(["-n", str(nproc), "--no-gpu-pinning", "--timeout", "100",
-                                     os.path.join(MP, "collective_check.py"), "--devices-per-process", str(local)])
+@pytest.mark.parametrize("nproc,local,no_join", [(2, 2, False), (4, 1, True)])
+def test_collectives_across_processes(nproc, local, no_join):
+    """The launcher joins the job before the program (whose init_from_env() is then a no-op), or, with --no-join,
+    the program's init_from_env() does."""
+    rc, out, err, dt = run_launcher(["-n", str(nproc), "--no-gpu-pinning", "--timeout", "100"]
+                                    + (["--no-join"] if no_join else [])
+                                    + [os.path.join(MP, "collective_check.py"), "--devices-per-process", str(local)])
     assert rc == 0, f"launcher exited {rc} after {dt:.1f} s" + show(out, err)
     G = nproc * local
     want_psum = [float(sum(g + 1 for g in range(G)) * 10 ** j) for j in range(4)]
@@ -90,7 +95,24 @@ def test_collectives_across_processes(nproc, local):
         assert sorted(got) == list(range(nproc)), f"{tag}: lines from ranks {sorted(got)}" + show(out, err)
         for r, lines in got.items():
             assert len(lines) == 1 and check(r, lines[0]), f"rank {r}: {lines}" + show(out, err)
+    assert err.count("jax_ep.launch: starting ranks") == 1, show(out, err)
+    assert ("the program joins the job itself (--no-join)" in err) == no_join, show(out, err)
     print(f"{nproc} processes x {local} CPU devices: psum/all_to_all/jit sum checked in {dt:.1f} s")
+
+
+def test_unchanged_script_joins_the_job():
+    """A script that never calls init_from_env (nor jax.distributed.initialize) is one process of one job of 2,
+    not one of two independent copies; init_from_env() afterwards is a no-op that creates no backend."""
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-gpu-pinning", "--timeout", "60",
+                                     os.path.join(MP, "no_init.py"), "--devices", "2"], timeout=90)
+    assert rc == 0, f"launcher exited {rc} after {dt:.1f} s" + show(out, err)
+    for r in range(2):
+        assert rank_lines(out, "RESULT joined")[r] == [
+            f"RESULT joined process={r}/2 devices=4 JAX_EP_LOCAL_RANK={r} JAX_EP_LOCAL_SIZE=2 JAX_EP_HOST_INDEX=0 "
+            f"JAX_EP_NUM_HOSTS=1 CUDA_VISIBLE_DEVICES=None NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0"], show(out, err)
+        assert rank_lines(out, "RESULT psum")[r] == [f"RESULT psum process={r} value=10"], show(out, err)
+    status = re.findall(r"^jax_ep\.launch: starting ranks 0-1 of 2; coordinator 127\.0\.0\.1:\d+$", err, re.M)
+    assert len(status) == 1, "one status line, from the launcher" + show(out, err)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,12 +189,13 @@ def test_sys_exit_code_propagates_without_jax():
 # (4) --timeout, signals to the launcher, no orphans
 # ---------------------------------------------------------------------------------------------------------
 def test_timeout_kills_everything():
-    rc, out, err, dt = run_launcher(["-n", "2", "--timeout", "2", "--grace-seconds", "1",
+    """--timeout 8: long enough for both children to start, import JAX, join and print their pid."""
+    rc, out, err, dt = run_launcher(["-n", "2", "--timeout", "8", "--grace-seconds", "1",
                                      os.path.join(MP, "echo_env.py"), "--sleep", "300"], timeout=60)
     assert rc == launch.TIMEOUT_EXIT_CODE, f"exit code {rc}" + show(out, err)
-    assert 2 <= dt < 15, f"took {dt:.1f} s" + show(out, err)
-    assert "timeout: 2 s elapsed with ranks [0, 1] still running" in err, show(out, err)
-    assert "timed out after 2 s; exiting with code 124" in err, show(out, err)
+    assert 8 <= dt < 25, f"took {dt:.1f} s" + show(out, err)
+    assert "timeout: 8 s elapsed with ranks [0, 1] still running" in err, show(out, err)
+    assert "timed out after 8 s; exiting with code 124" in err, show(out, err)
     pids = [int(m) for m in re.findall(r'"pid": (\d+)', out)]
     assert len(pids) == 2, show(out, err)
     assert_gone(pids, show(out, err))
@@ -239,15 +262,28 @@ def test_output_prefixed_and_environment():
     assert len(coord) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coord.pop()), envs
     for r, e in envs.items():
         assert e["JAX_EP_NUM_PROCESSES"] == "3" and e["JAX_EP_PROCESS_ID"] == str(r), e
+        assert (e["JAX_EP_LOCAL_RANK"], e["JAX_EP_LOCAL_SIZE"], e["JAX_EP_HOST_INDEX"], e["JAX_EP_NUM_HOSTS"]) == (
+            str(r), "3", "0", "1"), e
+        assert e["JAX_EP_JOIN_TIMEOUT"] is None and e["joined"] is True, e  # joined before the program ran
         assert e["NVSHMEM_DISABLE_NVLS"] == "1" and e["NCCL_NVLS_ENABLE"] == "0", e  # forced even if set to 1
         assert e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true", e  # the user's value is kept
         assert e["CUDA_VISIBLE_DEVICES"] is None, e  # no GPUs here: nothing pinned
         assert e["argv"] == ["a", "--b", "c"] and e["name"] == "__main__", e
     assert "overriding NCCL_NVLS_ENABLE=1 with NCCL_NVLS_ENABLE=0" in err, err
+    assert err.count("jax_ep.launch: starting ranks 0-2 of 3; coordinator 127.0.0.1:") == 1, err
+
+
+def test_no_join_leaves_joining_to_the_program():
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-join", "--join-timeout", "7.5", os.path.join(MP, "echo_env.py")])
+    assert rc == 0, show(out, err)
+    envs = {r: json.loads(v[0][4:]) for r, v in rank_lines(out, "ENV ").items()}
+    assert sorted(envs) == [0, 1] and not any(e["joined"] for e in envs.values()), envs
+    assert all(e["JAX_EP_JOIN_TIMEOUT"] == "7.5" for e in envs.values()), envs  # for the program's init_from_env
 
 
 def test_gpu_pinning_and_module_mode():
-    """-m module runs like python -m; CUDA_VISIBLE_DEVICES entries are handed out in order, K per rank."""
+    """-m module runs like python -m; CUDA_VISIBLE_DEVICES entries are handed out in order, K per rank; with
+    --no-gpu-pinning more processes than GPUs may run, and CUDA_VISIBLE_DEVICES is passed on unchanged."""
     rc, out, err, dt = run_launcher(["-n", "2", "--gpus-per-process", "2", "-m", "echo_env", "x", "-y"], cwd=MP,
                                     CUDA_VISIBLE_DEVICES="3,5,6,7,1")
     assert rc == 0, show(out, err)
@@ -275,6 +311,8 @@ def test_gpu_pinning_and_module_mode():
     (["-n", "2", "--gpus-per-process", "0", "tests/test_launch.py"], {}, "--gpus-per-process must be >= 1"),
     (["-n", "2", "--timeout", "0", "tests/test_launch.py"], {}, "--timeout must be > 0"),
     (["-n", "2", "--bogus", "tests/test_launch.py"], {}, "unrecognized arguments: --bogus"),
+    (["-n", "2", "--join-timeout", "-1", "tests/test_launch.py"], {}, "--join-timeout must be > 0, got -1"),
+    (["-n", "2", "--port", "70000", "tests/test_launch.py"], {}, "--port must be in 1..65535, got 70000"),
 ])
 def test_argument_errors(argv, env, message, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
@@ -288,19 +326,60 @@ def test_argument_errors(argv, env, message, monkeypatch, capsys):
     assert message in err and "usage: python -m jax_ep.launch" in err, err
 
 
-def test_no_gpu_pinning_allows_more_processes_than_gpus():
-    rc, out, err, dt = run_launcher(["-n", "3", "--no-gpu-pinning", os.path.join(MP, "echo_env.py")],
-                                    CUDA_VISIBLE_DEVICES="0")
-    assert rc == 0 and len(rank_lines(out, "ENV ")) == 3, show(out, err)
-
-
 def test_split_argv():
-    s = launch._split_argv
+    s = cli._split_argv
     assert s(["-n", "2", "a.py", "-n", "3"]) == (["-n", "2"], ["a.py", "-n", "3"])
     assert s(["-n", "2", "--timeout=5", "-m", "pkg.mod", "--x"]) == (["-n", "2", "--timeout=5"],
                                                                       ["-m", "pkg.mod", "--x"])
     assert s(["-n2", "--no-gpu-pinning", "--", "-weird.py"]) == (["-n2", "--no-gpu-pinning"], ["-weird.py"])
     assert s(["-n", "2", "-mpkg"]) == (["-n", "2"], ["-m", "pkg"])
+    assert s(["-n", "1", "--num-hosts", "2", "--host-index", "1", "--coordinator", "h:1", "--join-timeout", "5",
+              "--no-join", "t.py", "--host-index", "0"]) == (
+        ["-n", "1", "--num-hosts", "2", "--host-index", "1", "--coordinator", "h:1", "--join-timeout", "5",
+         "--no-join"], ["t.py", "--host-index", "0"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the child bootstrap on its own
+# ---------------------------------------------------------------------------------------------------------
+PROG = """import atexit, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+print("argv", sys.argv[1:], __name__, sys.path[0] == __file__.rsplit("/", 1)[0], flush=True)
+def fail(mode):
+    if mode == "raise":
+        raise ValueError("boom")
+    if mode == "exit":
+        sys.exit(7)
+    if mode == "message":
+        sys.exit("bad thing")
+fail(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("mode,code", [("ok", 0), ("raise", 1), ("exit", 7), ("message", 1)])
+def test_child_bootstrap_runs_like_python(mode, code, tmp_path):
+    """python -m jax_ep.launch.child runs a script like python would (argv, __main__, sys.path[0]); on failure it
+    prints the traceback without its own or runpy's frames and exits at once with the code, skipping atexit."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROG)
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch.child", str(script), mode, "--x"], cwd=ROOT,
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, show(p.stdout, p.stderr)
+    assert f"argv ['{mode}', '--x'] __main__ True" in p.stdout, show(p.stdout, p.stderr)
+    assert ("atexit ran" in p.stdout) == (code == 0), show(p.stdout, p.stderr)
+    if mode == "raise":
+        tb = p.stderr
+        assert tb.startswith("Traceback (most recent call last):") and "ValueError: boom" in tb, tb
+        assert f'File "{script}", line 11, in <module>' in tb and "in fail" in tb, tb
+        assert "jax_ep/launch/child.py" not in tb and "runpy" not in tb, tb
+    if mode == "message":
+        assert p.stderr.strip() == "bad thing", show(p.stdout, p.stderr)
+
+
+def test_child_bootstrap_usage():
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch.child", "--no-join", "-m"], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "usage: python -m jax_ep.launch.child" in p.stderr, show(p.stdout, p.stderr)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -310,14 +389,14 @@ def test_init_from_env_without_launcher(monkeypatch):
     import jax
     for k in (launch.ENV_COORDINATOR, launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(launch, "_init_state", None)
+    monkeypatch.setattr(join, "_state", None)
     assert launch.init_from_env() == (0, 1)
     assert launch.init_from_env() == (0, 1)
     assert not jax.distributed.is_initialized()
 
 
 def test_init_from_env_partial_environment(monkeypatch):
-    monkeypatch.setattr(launch, "_init_state", None)
+    monkeypatch.setattr(join, "_state", None)
     monkeypatch.setenv(launch.ENV_COORDINATOR, "127.0.0.1:1")
     monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
     monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
@@ -327,4 +406,4 @@ def test_init_from_env_partial_environment(monkeypatch):
     monkeypatch.setenv(launch.ENV_PROCESS_ID, "2")
     with pytest.raises(RuntimeError, match=r"JAX_EP_PROCESS_ID=2 not in \[0, JAX_EP_NUM_PROCESSES=2\)"):
         launch.init_from_env()
-    assert launch._init_state is None
+    assert join._state is None

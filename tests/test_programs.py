@@ -118,3 +118,39 @@ def test_auto_backend_logs_choice(caplog):
     assert rt.backends[cfg] == expected
     assert any(f"uses the {expected} backend" in r.getMessage() for r in caplog.records)
     jax_ep.finalize()
+
+
+def test_trace_time_runtime_extends_the_programs_runtime_or_says_to_initialize():
+    """The trace-time fallback never guesses devices: a config unknown to the runtime is added at trace time when the
+    runtime's mesh is the traced program's mesh; with no runtime (or another mesh) it is an EPError that says to
+    call jax_ep.initialize."""
+    from jax_ep.runtime import lifecycle
+
+    jax_ep.finalize()
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="reference", num_sms=7)
+    other = jax_ep.EPConfig(E, H, K, T, backend="reference", num_sms=9)
+    mesh = ep_mesh(R)
+    seen = {}
+
+    def body(x):
+        try:
+            seen["runtime"] = lifecycle.runtime_for_trace(cfg, "dispatch")
+        except jax_ep.EPError as e:
+            seen["error"] = str(e)
+        return x
+
+    x = jnp.zeros((R * T, H), jnp.bfloat16)
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x)
+    assert "runtime" not in seen and "call jax_ep.initialize(mesh, cfg)" in seen["error"]
+    assert jax_ep.runtime.current() is None
+    seen.clear()
+    jax_ep.initialize(ep_mesh(2), other)  # a runtime on another mesh: still an error
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x)
+    assert "is not the mesh of this program" in seen["error"]
+    seen.clear()
+    jax_ep.initialize(mesh, other)
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x)
+    assert "error" not in seen, seen
+    rt = jax_ep.runtime.current()
+    assert set(rt.configs) == {cfg, other} and rt.mesh_shape == {"ep": R}
+    jax_ep.finalize()

@@ -7,7 +7,9 @@ without `initialize` (the runtime is then made at trace time).
     python -m jax_ep.launch -n 4 -m jax_ep.bench.prewarm --mode eager  # one process per GPU (NVSHMEM)
     python -m jax_ep.launch -n 4 -m jax_ep.bench.prewarm --mode lazy
 
-Run each mode in a fresh process (lazy must find no runtime; NVSHMEM, once up, stays up in a process). The program is
+Run each mode in a fresh process (NVSHMEM, once up, stays up in a process). lazy starts from a runtime for another
+config on the same mesh, so the program's config is added while it is traced (jax_ep never guesses devices: with
+no runtime at all a traced op asks for jax_ep.initialize). The program is
 one normal-mode dispatch + combine (bf16, CUDA backend) inside jit(shard_map) over all GPUs. Reported (process 0;
 with several processes every timed step starts after a cross-process barrier, and the max over processes is shown):
   initialize   wall time of jax_ep.initialize and its steps (Runtime.timings)   [eager]
@@ -93,6 +95,11 @@ def main(argv=None):
            "device": devices[0].device_kind}
 
     sync("start")
+    if a.mode == "lazy":
+        # trace-time initialize extends a runtime on the program's mesh (jax_ep never guesses devices): start from a
+        # runtime for another config, so the config of `prog` is added (buffers, peer access) while it is traced
+        jax_ep.initialize(mesh, jax_ep.EPConfig(E, H, K, min(T, 16), backend="cuda", num_sms=a.num_sms))
+        sync("lazy_runtime")
     if a.mode == "eager":
         t = time.perf_counter()
         rt = jax_ep.initialize(mesh, cfg)

@@ -26,3 +26,15 @@ def client():
         raise EPError("jax_ep: several JAX processes but no jax.distributed client; call jax.distributed.initialize "
                       "(python -m jax_ep.launch does) before jax_ep.initialize")
     return c
+
+
+def joined_job() -> tuple[int, int] | None:
+    """(process_id, num_processes) of this process's jax.distributed job, or None when it joined none; read without
+    creating backends (a program may still configure devices after joining)."""
+    try:
+        from jax._src.distributed import global_state  # private: see the module docstring
+    except ImportError:  # pragma: no cover - a jax that moved it
+        return None
+    if getattr(global_state, "client", None) is None:
+        return None
+    return int(global_state.process_id), int(global_state.num_processes)

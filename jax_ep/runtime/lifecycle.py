@@ -73,6 +73,7 @@ class Runtime:
     transport_state: Any = None  # the current Transport (transport.py), None for the reference backend
     retired: list = dataclasses.field(default_factory=list)  # earlier transports, kept alive until finalize
     bound_axes: tuple = ()
+    mesh: Any = None  # the jax.sharding.Mesh it was initialized on
 
     def summary(self) -> str:
         steps = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.timings.items())
@@ -269,7 +270,7 @@ def _build(mesh, configs, retired: list) -> Runtime:
                    buffer_bytes=buffer_bytes, timings=timings, configs=configs, mesh_shape=dict(mesh.shape),
                    low_latency_offset=ll_offset, low_latency_bytes=ll_bytes,
                    teams=transport.summary().get("teams", []) if transport else [], transport_state=transport,
-                   retired=retired, bound_axes=tuple(axes) if transport else ())
+                   retired=retired, bound_axes=tuple(axes) if transport else (), mesh=mesh)
 
 
 def _connect_multi_process(mesh, configs, backends, groups, cuda_configs, axes, buffer_bytes, retired, timings):
@@ -345,35 +346,29 @@ def current() -> Runtime | None:
 def runtime_for_trace(cfg: EPConfig, op: str) -> Runtime:
     """The runtime that knows `cfg`, for an op being traced on the CUDA backend.
 
-    When there is none, initializes at trace time (collectively, logging once that explicit `initialize` is
-    recommended) on the mesh the traced program is bound to: the concrete mesh of `jax.set_mesh(mesh)` /
-    `jax.sharding.use_mesh(mesh)`. A shard_map traced without such a mesh gives no way to know which devices form
-    the EP groups, so that is an EPError telling the user to call `jax_ep.initialize(mesh, cfg)`.
+    When the current runtime does not know cfg but its mesh is the mesh being traced (same axis names and sizes),
+    cfg is added to it at trace time (collectively with several processes; logged once, since an explicit
+    `initialize` before tracing is what makes the first call fast). JAX offers no public way to see the concrete
+    devices of the program being traced, so jax_ep never guesses them: with no runtime, or a runtime on another
+    mesh, it raises an EPError that says to call `jax_ep.initialize(mesh, cfg)`.
     """
     with _lock:
         rt: Runtime | None = _state["runtime"]
         if rt is not None and cfg in rt.backends:
             return rt
-        mesh = _concrete_trace_mesh()
-        if mesh is None:
-            raise EPError(f"jax_ep.{op}: no jax_ep runtime knows {cfg}, and the mesh of this program is not known at "
-                          f"trace time; call jax_ep.initialize(mesh, cfg) before tracing (or trace under "
-                          f"jax.set_mesh(mesh), which lets jax_ep initialize on that mesh)")
-        log_once(("lazy", cfg), "jax_ep: no runtime for %s; initializing at trace time on the program's mesh %s. "
-                 "Call jax_ep.initialize(mesh, cfg) before tracing so the first call runs at full speed.", cfg,
-                 dict(mesh.shape))
-        if rt is not None and rt.mesh_shape == dict(mesh.shape):
-            return initialize(mesh, *rt.configs, cfg)
-        return initialize(mesh, cfg)
+        if rt is None or not _is_traced_mesh(rt.mesh):
+            where = ("no jax_ep runtime exists" if rt is None else
+                     f"the runtime's mesh {rt.mesh_shape} is not the mesh of this program")
+            raise EPError(f"jax_ep.{op}: no runtime knows {cfg} and {where}; call jax_ep.initialize(mesh, cfg) "
+                          f"with the program's mesh before tracing (jax_ep cannot see a traced program's devices)")
+        log_once(("lazy", cfg), "jax_ep: no runtime knew %s; adding it at trace time on the runtime's mesh %s. Pass "
+                 "every config to jax_ep.initialize(mesh, ...) before tracing so the first call runs at full speed.",
+                 cfg, rt.mesh_shape)
+        return initialize(rt.mesh, *rt.configs, cfg)
 
 
-def _concrete_trace_mesh():
-    """The concrete mesh the traced program is bound to, when it matches the abstract mesh being traced."""
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or getattr(mesh, "empty", True) or not getattr(mesh, "devices", np.empty(0)).size:
-        return None
+def _is_traced_mesh(mesh) -> bool:
+    """Whether `mesh` has the axis names and sizes of the (abstract) mesh the current trace is bound to."""
     abstract = jax.sharding.get_abstract_mesh()
     names = tuple(getattr(abstract, "axis_names", ()))
-    if names and (tuple(mesh.axis_names) != names or tuple(mesh.axis_sizes) != tuple(abstract.axis_sizes)):
-        return None
-    return mesh
+    return bool(names) and tuple(mesh.axis_names) == names and tuple(mesh.axis_sizes) == tuple(abstract.axis_sizes)

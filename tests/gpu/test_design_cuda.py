@@ -127,13 +127,7 @@ def test_compiled_program_survives_initialize_with_one_more_config():
     jax_ep.initialize(mesh, cfg)
     x, idx, w = _inputs(R, E, 2)
 
-    def body(x, idx, w):
-        out = jax_ep.dispatch(x, idx, w, cfg)
-        y, _ = jax_ep.combine(out.recv_x, out.handle, cfg)
-        ll = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
-        y2 = jax_ep.low_latency_combine(ll.recv_x, idx, w, ll.handle, cfg)
-        return y, y2
-
+    body = _round_trips(cfg)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC)).lower(x, idx, w).compile()
     first = [np.asarray(a, np.float32) for a in f(x, idx, w)]
     f(x, idx, w)  # second execution: XLA may capture a CUDA graph here
@@ -144,18 +138,20 @@ def test_compiled_program_survives_initialize_with_one_more_config():
         again = [np.asarray(a, np.float32) for a in f(x, idx, w)]
         for a, b in zip(again, first):
             np.testing.assert_array_equal(a, b)
-    expected = _run(mesh, _reference_body(ref), x, idx, w)
+    expected = _run(mesh, _round_trips(ref), x, idx, w)
     for a, b in zip(first, expected):
         np.testing.assert_allclose(a, np.asarray(b, np.float32), rtol=2e-2, atol=2e-2 * np.abs(b).max())
     jax_ep.finalize()
 
 
-def _reference_body(ref):
+def _round_trips(cfg):
+    """Normal dispatch + combine and LL dispatch + combine of the same rows (one program)."""
+
     def body(x, idx, w):
-        out = jax_ep.dispatch(x, idx, w, ref)
-        y, _ = jax_ep.combine(out.recv_x, out.handle, ref)
-        ll = jax_ep.low_latency_dispatch(x, idx, ref, use_fp8=False)
-        return y, jax_ep.low_latency_combine(ll.recv_x, idx, w, ll.handle, ref)
+        out = jax_ep.dispatch(x, idx, w, cfg)
+        y, _ = jax_ep.combine(out.recv_x, out.handle, cfg)
+        ll = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+        return y, jax_ep.low_latency_combine(ll.recv_x, idx, w, ll.handle, cfg)
 
     return body
 
@@ -183,13 +179,10 @@ def test_exported_cuda_program_runs_in_a_fresh_process(tmp_path):
     jax_ep.initialize(mesh, cfg)
     x, idx, w = _inputs(R, E, 3)
 
-    def body(x, idx, w):
-        out = jax_ep.dispatch(x, idx, w, cfg)
-        y, _ = jax_ep.combine(out.recv_x, out.handle, cfg)
-        return y
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC))
-    targets = ["jax_ep_dispatch_v2", "jax_ep_combine_v2", "jax_ep_layout_v1"]
+    f = jax.jit(jax.shard_map(lambda *a: _round_trips(cfg)(*a)[0], mesh=mesh, in_specs=(SPEC,) * 3,
+                              out_specs=SPEC))
+    targets = ["jax_ep_dispatch_v2", "jax_ep_combine_v2", "jax_ep_ll_dispatch_v2", "jax_ep_ll_combine_v2",
+               "jax_ep_layout_v1"]
     exp = jax.export.export(f, disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets])(
         x, idx, w)
     (tmp_path / "prog.bin").write_bytes(exp.serialize())
@@ -223,25 +216,14 @@ def test_public_ops_bit_identical_to_reference(use_fp8):
 
     got = _run(mesh, body(cuda), x, idx, w)
     want = _run(mesh, body(ref), x, idx, w)
+    counts = np.asarray(got[4]).reshape(R, -1)  # recv_count per (rank, local expert)
     for i, (a, b) in enumerate(zip(got, want)):
         a, b = np.asarray(a), np.asarray(b)
-        if i == 7 and not use_fp8:  # bf16 LL rows: only rows < recv_count are defined
-            counts = np.asarray(got[4]).reshape(R, -1)
-            a = a.reshape(R, counts.shape[1], -1, H)
-            b = b.reshape(R, counts.shape[1], -1, H)
+        if i == 7:  # LL rows (bf16) or scales (fp8): only rows < recv_count are defined
+            a, b = (v.reshape(R, counts.shape[1], -1, v.shape[-1]) for v in (a, b))
             for r in range(R):
                 for l_ in range(counts.shape[1]):
-                    n = counts[r, l_]
-                    np.testing.assert_array_equal(a[r, l_, :n], b[r, l_, :n])
-            continue
-        if i == 7:
-            counts = np.asarray(got[4]).reshape(R, -1)
-            a = a.reshape(R, counts.shape[1], -1, H // 128)
-            b = b.reshape(R, counts.shape[1], -1, H // 128)
-            for r in range(R):
-                for l_ in range(counts.shape[1]):
-                    n = counts[r, l_]
-                    np.testing.assert_array_equal(a[r, l_, :n], b[r, l_, :n])
+                    np.testing.assert_array_equal(a[r, l_, :counts[r, l_]], b[r, l_, :counts[r, l_]])
             continue
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
     jax_ep.finalize()

@@ -118,13 +118,18 @@ def test_compiled_hlo_has_no_stray_collectives():
 
 
 def test_trace_time_initialization_logs_once(caplog):
+    """A config the runtime does not know is added at trace time on the runtime's mesh (logged once); with no
+    runtime the op says to call initialize (it never guesses devices)."""
     _require(4)
     jax_ep.finalize()
     mesh = _mesh(1, 4)
     cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", num_sms=16)
     x, idx, w = _inputs(np.random.default_rng(1), 1, 4)
+    with pytest.raises(jax_ep.EPError, match="call jax_ep.initialize"):
+        _program(cfg, mesh)(x, idx, w)
+    jax_ep.initialize(mesh, jax_ep.EPConfig(E, H, K, T, backend="cuda", num_sms=8))
     with caplog.at_level(logging.WARNING, logger="jax_ep"):
         out = _program(cfg, mesh)(x, idx, w)
-    assert any("initializing at trace time" in r.getMessage() for r in caplog.records)
+    assert any("adding it at trace time" in r.getMessage() for r in caplog.records)
     ref = jax_ep.EPConfig(E, H, K, T, backend="reference")
     np.testing.assert_array_equal(np.asarray(out[0].recv_x), np.asarray(_program(ref, mesh)(x, idx, w)[0].recv_x))
