@@ -154,3 +154,20 @@ def test_trace_time_runtime_extends_the_programs_runtime_or_says_to_initialize()
     rt = jax_ep.runtime.current()
     assert set(rt.configs) == {cfg, other} and rt.mesh_shape == {"ep": R}
     jax_ep.finalize()
+
+
+def test_warmup_runs_the_compiled_program_and_checks_its_arguments():
+    mesh = ep_mesh(R)
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="reference")
+    jax_ep.initialize(mesh, cfg)
+    f = jax.jit(jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    x = jnp.ones((R * T, H), jnp.float32)
+    compiled = f.lower(x).compile()
+    out = jax_ep.warmup(compiled, x, calls=3)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
+    for bad in (0, True, "2"):
+        with pytest.raises(jax_ep.EPError, match="calls"):
+            jax_ep.warmup(compiled, x, calls=bad)
+    with pytest.raises(jax_ep.EPError, match="program"):
+        jax_ep.warmup("not a function", x)
+    jax_ep.finalize()

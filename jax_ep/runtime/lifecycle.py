@@ -130,9 +130,10 @@ def staging_plan(configs, num_ranks_of) -> tuple[int, int, int]:
 # backend choice
 # ---------------------------------------------------------------------------------------------------------------
 def log_once(key, msg, *args):
+    """A warning once per process, printed by process 0 only (the others log it at debug level)."""
     if key not in _state["logged"]:
         _state["logged"].add(key)
-        log.warning(msg, *args)
+        log.log(logging.WARNING if jax.process_index() == 0 else logging.DEBUG, msg, *args)
 
 
 def _trace_platform() -> str:
@@ -372,3 +373,24 @@ def _is_traced_mesh(mesh) -> bool:
     abstract = jax.sharding.get_abstract_mesh()
     names = tuple(getattr(abstract, "axis_names", ()))
     return bool(names) and tuple(mesh.axis_names) == names and tuple(mesh.axis_sizes) == tuple(abstract.axis_sizes)
+
+
+def warmup(program, *example_args, calls: int = 2):
+    """Runs a compiled or jitted program `calls` times on example inputs and waits for it: the serving-side half of
+    the prewarm hook.
+
+    `initialize` does jax_ep's own expensive steps (buffers, peer access or NVSHMEM, teams, kernel loading, one
+    warm-up exchange), and the FFI handlers set up their per-call-site state when XLA compiles the program. What is
+    left for the first execution of a program is XLA's own: loading the executable's module and kernels, growing
+    its allocator for the outputs, and (on the second execution) recording the CUDA graph. Call this once after
+    compiling and before timing or serving, with inputs of the real shapes; the program really runs (its jax_ep
+    ops move data), so with several processes every process calls it the same way. Returns the last outputs.
+    """
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise EPError(f"jax_ep.warmup: calls must be an int >= 1, got {calls!r}")
+    if not callable(program):
+        raise EPError(f"jax_ep.warmup: program must be a compiled or jitted function, got {type(program).__name__}")
+    out = None
+    for _ in range(calls):
+        out = jax.block_until_ready(program(*example_args))
+    return out
