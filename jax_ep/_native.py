@@ -19,8 +19,9 @@ try:
 except ImportError as e:  # not built (JAX_EP_NATIVE=OFF, no CUDA toolkit at build time, ...) or broken
     _module = None
     if importlib.util.find_spec(f"{__package__}._jax_ep_native") is None:
-        _load_error = ("jax_ep native extension was not built (the build found no CUDA toolkit or no "
-                       "nvidia-nvshmem-cu13 headers, or JAX_EP_NATIVE=OFF; docs/BUILDING.md)")
+        _load_error = ("jax_ep native extension was not built: the build found no CUDA compiler (nvcc), or ran "
+                       "with JAX_EP_NATIVE=OFF, or (with --no-build-isolation) found no jaxlib or "
+                       "nvidia-nvshmem-cu13; `pip install -v .` prints the reason (docs/BUILDING.md)")
     else:
         _load_error = f"jax_ep native extension failed to load: {e}"
 

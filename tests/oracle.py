@@ -1,4 +1,4 @@
-"""Independent NumPy oracle for jax_ep (written from SPEC.md + docs/API.md only).
+"""Independent NumPy oracle for jax_ep (written from docs/SPEC.md + docs/API.md only).
 
 Everything here works on ALL ranks of one EP group at once: per-rank inputs are stacked on a leading
 axis of size R (``x[s]`` is rank s's ``[T, H]`` input), and every output is stacked the same way

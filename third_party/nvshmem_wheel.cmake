@@ -4,15 +4,20 @@
 # Build against the NVSHMEM installed where the extension runs: the first libnvshmem_host.so.3 loaded into a
 # process wins, and a device library from a newer NVSHMEM needs host symbols an older one lacks.
 #
-# Input:  Python_EXECUTABLE, optional JAX_EP_NVSHMEM_ROOT (a directory holding include/ and lib/).
+# An isolated build gets the wheel from [build-system] requires (pinned to the oldest supported NVSHMEM, 3.4.5: a
+# module built against older headers runs on a newer libnvshmem_host.so.3, not always the reverse).
+#
+# Input:  Python_EXECUTABLE, optional JAX_EP_NVSHMEM_ROOT (CMake or environment variable: a directory holding
+#         include/ and lib/).
 # Output: JAX_EP_NVSHMEM_FOUND (headers found), JAX_EP_NVSHMEM_ROOT, JAX_EP_NVSHMEM_VERSION, JAX_EP_NVSHMEM_REASON,
 #         imported targets jax_ep::nvshmem_headers, jax_ep::nvshmem_host (shared), jax_ep::nvshmem_device (static)
 #         (the library targets exist only when the files do).
 #
-# NOTE: nothing in the main extension links these; the NVSHMEM transport will be a separate, lazily loaded module.
+# NOTE: nothing in the main extension links these; only the separate, lazily imported jax_ep._jax_ep_nvshmem does.
 
 set(JAX_EP_NVSHMEM_FOUND FALSE)
 set(JAX_EP_NVSHMEM_REASON "")
+set(_jax_ep_nvshmem_why "")
 
 if(NOT JAX_EP_NVSHMEM_ROOT AND DEFINED ENV{JAX_EP_NVSHMEM_ROOT})
   set(JAX_EP_NVSHMEM_ROOT "$ENV{JAX_EP_NVSHMEM_ROOT}")
@@ -27,6 +32,11 @@ if(NOT JAX_EP_NVSHMEM_ROOT)
     OUTPUT_STRIP_TRAILING_WHITESPACE)
   if(_jax_ep_nvshmem_rc EQUAL 0)
     set(JAX_EP_NVSHMEM_ROOT "${_jax_ep_nvshmem_dir}")
+  else()
+    string(CONCAT _jax_ep_nvshmem_why
+        "the nvidia-nvshmem-cu13 wheel is not installed for ${Python_EXECUTABLE} (an isolated build gets it from "
+        "[build-system] requires; with --no-build-isolation pip install nvidia-nvshmem-cu13 first, or set "
+        "JAX_EP_NVSHMEM_ROOT)")
   endif()
 endif()
 
@@ -62,7 +72,8 @@ if(JAX_EP_NVSHMEM_ROOT AND EXISTS "${JAX_EP_NVSHMEM_ROOT}/include/nvshmem.h")
       IMPORTED_LOCATION "${_jax_ep_dev}"
       INTERFACE_LINK_LIBRARIES jax_ep::nvshmem_headers)
   endif()
+elseif(_jax_ep_nvshmem_why)
+  set(JAX_EP_NVSHMEM_REASON "${_jax_ep_nvshmem_why}")
 else()
-  set(JAX_EP_NVSHMEM_REASON
-      "NVSHMEM headers not found (pip install nvidia-nvshmem-cu13, or set JAX_EP_NVSHMEM_ROOT)")
+  set(JAX_EP_NVSHMEM_REASON "NVSHMEM headers not found: ${JAX_EP_NVSHMEM_ROOT}/include/nvshmem.h does not exist")
 endif()

@@ -4,7 +4,7 @@
     python -m jax_ep.bench --mode low_latency                               # T=128 H=7168 K=8 E=288
     python -m jax_ep.bench --out bench_out                                  # JSON + PNG plot there
 
-Method (PERFORMANCE.md): per op, a jitted, unrolled loop of N chained calls, wall time / N, median of several loops;
+Method (docs/BENCHMARKS.md, "Method and targets"): per op, a jitted, unrolled loop of N chained calls, wall time / N, median of several loops;
 bandwidth = bytes of rows this rank receives (local rows included; fp8 counts 1 byte per element + 4 per 128
 channels) / time, averaged over ranks. Without GPUs it runs small shapes on 8 emulated CPU devices and says so.
 """

@@ -56,6 +56,7 @@ def module():
                 "which was not built (the build needs a CUDA toolkit and the nvidia-nvshmem-cu13 wheel with "
                 "lib/libnvshmem_host.so.3; see docs/BUILDING.md). Use backend='reference' or one process driving "
                 "all local GPUs")
+        _preload_nvshmem_host()
         try:
             _process["module"] = importlib.import_module(_MODULE_NAME)
         except ImportError as e:
@@ -63,6 +64,23 @@ def module():
                           f"libnvshmem_host.so.3 of the nvidia-nvshmem-cu13 wheel it was built against "
                           f"(docs/BUILDING.md)") from None
         return _process["module"]
+
+
+def _preload_nvshmem_host() -> None:
+    """Loads libnvshmem_host.so.3 from the nvidia-nvshmem-cu13 package by its path, when that package is importable,
+    so the module's relative RUNPATH is not the only way to find it (a venv that sees the system's packages, a user
+    site install). Nothing happens when the package is absent: the RUNPATH then decides."""
+    import ctypes
+
+    try:
+        import nvidia.nvshmem as pkg  # the wheel's namespace package
+    except ImportError:
+        return
+    for root in getattr(pkg, "__path__", []):
+        lib = os.path.join(root, "lib", "libnvshmem_host.so.3")
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
 
 
 def availability() -> str:

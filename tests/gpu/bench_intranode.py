@@ -1,4 +1,4 @@
-"""Timing of the intranode CUDA backend vs the reference backend, same harness, same run (docs/PERFORMANCE method):
+"""Timing of the intranode CUDA backend vs the reference backend, same harness, same run (method of docs/BENCHMARKS.md):
 a jitted fori_loop of N back-to-back calls, wall time / N after warm-up, median of REPS loops; bandwidth = bytes of
 rows rank 0 receives (local rows included; fp8: 1 byte/element + 4 bytes per 128-element scale) / time.
 
