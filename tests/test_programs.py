@@ -111,6 +111,9 @@ def test_cuda_backend_on_cpu_is_an_error():
 
 def test_auto_backend_logs_choice(caplog):
     cfg = jax_ep.EPConfig(E, H, K, T, backend="auto", num_sms=20)
+    from jax_ep.runtime import lifecycle
+
+    lifecycle._state["logged"].clear()  # the choice is logged once per process and outcome
     with caplog.at_level(logging.WARNING, logger="jax_ep"):
         rt = jax_ep.initialize(ep_mesh(R), cfg)
     from jax_ep import _native

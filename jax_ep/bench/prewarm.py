@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -35,10 +36,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jax_ep.bench.prewarm", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench.prewarm",
+        description="What the prewarm hook buys: jax_ep.initialize step times and first-call vs steady-state latency "
+                    "of a compiled dispatch + combine program. CUDA only (needs GPUs and the built extension); on "
+                    "CPU it says so and exits with status 2.")
     ap.add_argument("--mode", choices=["eager", "lazy", "xla"], required=True,
-                    help="eager: jax_ep.initialize before tracing; lazy: no initialize (trace-time init); xla: a plain XLA "
-                         "program of the same inputs and output shape (control)")
+                    help="eager: jax_ep.initialize before tracing; lazy: the program's config is added to a runtime "
+                         "at trace time; xla: a plain XLA program of the same inputs and output shape (control)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
@@ -50,6 +55,14 @@ def main(argv=None):
     from jax_ep.launch import init_from_env
 
     pid, nproc = init_from_env()
+    import jax
+
+    from jax_ep import _native
+
+    if not [d for d in jax.devices() if d.platform == "gpu"] or not _native.available():
+        why = "no CUDA GPU" if _native.available() else f"the native extension is unavailable ({_native.load_error()})"
+        print(f"python -m jax_ep.bench.prewarm: CUDA only: {why}; nothing measured", file=sys.stderr)
+        return 2
 
     import numpy as np
     import jax
@@ -143,4 +156,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

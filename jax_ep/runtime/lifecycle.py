@@ -166,7 +166,7 @@ def resolve_backend(cfg: EPConfig, platform: str | None = None) -> str:
         f" (platform {platform!r})" if not on_gpu else
         f" (CUDA extension unavailable: {_native.load_error()})" if not _native.available() else
         f" ({nvshmem_missing})")
-    log_once(("auto", cfg, chosen), "jax_ep: backend='auto' uses the %s backend%s", chosen, why)
+    log_once(("auto", chosen, why), "jax_ep: backend='auto' uses the %s backend%s", chosen, why)
     return chosen
 
 
