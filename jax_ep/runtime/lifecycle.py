@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -193,7 +193,7 @@ def _groups_of(mesh, axis_name: str) -> list[GroupInfo]:
     return [GroupInfo(axis_name, tuple(int(d.id) for d in row)) for row in rows]
 
 
-def initialize(mesh, *configs: EPConfig, **kwargs) -> Runtime:
+def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
     """The prewarm hook: eager, before tracing; idempotent for the same (mesh, configs).
 
     Sets up, for every config on the CUDA backend, the transport (buffers, peer access or NVSHMEM, teams), binds
@@ -375,7 +375,7 @@ def _is_traced_mesh(mesh) -> bool:
     return bool(names) and tuple(mesh.axis_names) == names and tuple(mesh.axis_sizes) == tuple(abstract.axis_sizes)
 
 
-def warmup(program, *example_args, calls: int = 2):
+def warmup(program: Callable[..., Any], *example_args: Any, calls: int = 2) -> Any:
     """Runs a compiled or jitted program `calls` times on example inputs and waits for it: the serving-side half of
     the prewarm hook.
 
