@@ -15,6 +15,7 @@ from .ops_low_latency import (check_low_latency_state, low_latency_combine, low_
                               low_latency_dispatch_send, low_latency_state)
 from .ops_normal import capacity_mask, combine, dispatch, get_dispatch_layout
 from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize, warmup
+from .runtime.nvshmem_env import NvshmemSettings, nvshmem_env
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,5 @@ __all__ = [
     "low_latency_combine_send", "low_latency_combine_recv",
     "DispatchLayout", "DispatchOutput", "DispatchHandle", "LowLatencyDispatchOutput", "LowLatencyHandle",
     "LowLatencyDispatchPending", "LowLatencyCombinePending", "EPError", "EPTypeError", "fp8",
+    "nvshmem_env", "NvshmemSettings",
 ]

@@ -31,11 +31,11 @@ import jax
 from .. import _native
 from ..errors import EPError
 from . import agreement, teams as teams_mod
-from .nvshmem_env import HEAP_HEADROOM_BYTES, nvshmem_environment, parse_size
+from .nvshmem_env import HEAP_HEADROOM_BYTES, NATIVE_MODULE, nvshmem_environment, parse_size
 
 log = logging.getLogger("jax_ep")
 
-_MODULE_NAME = "jax_ep._jax_ep_nvshmem"  # the separate native module at the package root
+_MODULE_NAME = NATIVE_MODULE  # the separate native module at the package root (nvshmem_env.py names it)
 _lock = threading.RLock()
 # NVSHMEM's process-wide state as jax_ep sees it: the heap size fixed at init, whether the exit hook is in place.
 _process: dict = {"module": None, "heap_bytes": None, "exit_timeout_s": 100.0}
