@@ -1,27 +1,56 @@
-"""EPConfig: the static description of one expert-parallel exchange."""
+"""EPConfig: the static description of one expert-parallel exchange, and the limits every backend validates."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from .errors import EPError
 
 BACKENDS = ("auto", "cuda", "reference")
 
-# Largest shapes the CUDA kernels are built for (docs/API.md); the reference backend has no such limits but the
-# config is validated the same way everywhere so a program that runs on CPU also runs on the GPUs.
-MAX_TOPK = 16
-FP8_BLOCK = 128  # channels per fp8 scale
+# ---- limits of the CUDA kernels (docs/API.md, "Errors and edge cases") ------------------------------------------
+# Every backend validates them at trace time (jax_ep/validation.py: check_kernel_limits), so a program that runs on
+# the reference backend (CPU) also runs on the GPUs. Each number is the C++ constant of the same name in
+# cuda/include/jax_ep/constants.h; tests/test_bad_inputs.py parses that header and checks they are equal.
+MAX_TOPK = 16                   # kMaxTopk: K, experts per token
+MAX_GROUP_RANKS = 8             # kMaxGroupRanks: R, ranks per EP group (peer pointers passed by value)
+MAX_NORMAL_EXPERTS = 8192       # kMaxLayoutExperts: E in normal mode (per-expert counters in shared memory)
+MAX_LOW_LATENCY_EXPERTS = 1024  # kMaxLowLatencyExperts: E in low-latency mode (combine sender's scratch counters)
+FP8_BLOCK = 128                 # kFp8Block: channels per fp8 scale; fp8 needs H % FP8_BLOCK == 0
+# Rows move as 16-byte vectors: a bf16 row (2 * H bytes) must be a multiple of 16 bytes, so H % 8 == 0. The C++
+# side checks the literal (xla_ffi/normal_ffi.cc `row_bytes % 16 == 0`, xla_ffi/op_state.cc `hidden % 8`).
+ROW_ALIGN_BYTES = 16
+HIDDEN_MULTIPLE = ROW_ALIGN_BYTES // 2  # bf16
+
 # low_latency_buffers=None allocates the low-latency buffers only for decode-sized configs (T_max up to this).
 LOW_LATENCY_AUTO_MAX_TOKENS = 256
+# timeout_seconds goes to the kernels as int64 nanoseconds.
+MAX_TIMEOUT_SECONDS = 9.0e9
+
+_INT_FIELDS = ("num_experts", "hidden", "num_topk", "max_tokens_per_rank", "num_max_nvl_peers", "num_sms")
+
+
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (np.bool_ is not an np.integer)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
     """Static configuration of an EP exchange; frozen and hashable (usable as a jit static argument).
 
+    Integer fields accept Python or NumPy integers and timeout_seconds any real number (NumPy scalars included); they
+    are stored as Python int / float, so a config built from NumPy values equals (and hashes like) the Python one.
+    Invalid values raise jax_ep.EPError (a ValueError) naming the field.
+
     Args:
       num_experts: E, experts across the EP group; must divide evenly by the group size R.
       hidden: H, channels per token row.
-      num_topk: K, experts per token.
+      num_topk: K, experts per token (1 <= K <= 16 and K <= E).
       max_tokens_per_rank: T_max, the most tokens any rank passes in one call.
       axis_name: the mesh axis that forms one EP group.
       recv_capacity: C, receive rows per rank in normal mode; None means R * T_max (never drops).
@@ -39,42 +68,54 @@ class EPConfig:
     num_topk: int
     max_tokens_per_rank: int
     axis_name: str = "ep"
-    recv_capacity: int | None = None
+    recv_capacity: Optional[int] = None
     num_max_nvl_peers: int = 8
     backend: str = "auto"
     num_sms: int = 24
     timeout_seconds: float = 100.0
-    low_latency_buffers: bool | None = None
+    low_latency_buffers: Optional[bool] = None
 
     def __post_init__(self):
+        def normalize(name, value):
+            object.__setattr__(self, name, value)
+
         def positive_int(name):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"EPConfig.{name} must be a positive int, got {value!r}")
+            if not _is_int(value) or value <= 0:
+                raise EPError(f"EPConfig.{name} must be a positive int, got {value!r} ({type(value).__name__})")
+            normalize(name, int(value))
 
-        for name in ("num_experts", "hidden", "num_topk", "max_tokens_per_rank", "num_max_nvl_peers", "num_sms"):
+        for name in _INT_FIELDS:
             positive_int(name)
-        if self.num_topk > MAX_TOPK:
-            raise ValueError(f"EPConfig.num_topk must be in [1, {MAX_TOPK}], got {self.num_topk}")
-        if self.num_topk > self.num_experts:
-            raise ValueError(
-                f"EPConfig.num_topk must be <= num_experts ({self.num_experts}), got {self.num_topk}")
         if self.recv_capacity is not None:
             positive_int("recv_capacity")
+        if self.num_topk > MAX_TOPK:
+            raise EPError(f"EPConfig.num_topk must be in [1, {MAX_TOPK}] (the CUDA kernels' kMaxTopk), got "
+                          f"{self.num_topk}")
+        if self.num_topk > self.num_experts:
+            raise EPError(f"EPConfig.num_topk must be <= num_experts ({self.num_experts}), got {self.num_topk}")
         if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise ValueError(f"EPConfig.axis_name must be a non-empty str, got {self.axis_name!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.low_latency_buffers not in (None, True, False):
-            raise ValueError(f"EPConfig.low_latency_buffers must be None, True or False, got "
-                             f"{self.low_latency_buffers!r}")
-        if not self.timeout_seconds > 0:
-            raise ValueError(f"EPConfig.timeout_seconds must be > 0, got {self.timeout_seconds!r}")
+            raise EPError(f"EPConfig.axis_name must be a non-empty str, got {self.axis_name!r}")
+        normalize("axis_name", str(self.axis_name))
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise EPError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        normalize("backend", str(self.backend))
+        llb = self.low_latency_buffers
+        if llb is not None and not isinstance(llb, (bool, np.bool_)):
+            raise EPError(f"EPConfig.low_latency_buffers must be None, True or False, got {llb!r}")
+        normalize("low_latency_buffers", None if llb is None else bool(llb))
+        t = self.timeout_seconds
+        if (isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating))
+                or not math.isfinite(float(t)) or not 0 < float(t) <= MAX_TIMEOUT_SECONDS):
+            raise EPError(f"EPConfig.timeout_seconds must be a number > 0 (finite, at most {MAX_TIMEOUT_SECONDS:g} "
+                          f"seconds), got {t!r} ({type(t).__name__})")
+        normalize("timeout_seconds", float(t))
 
     # ----- derived quantities (R is only known inside shard_map or from a mesh) -----
     def check_num_ranks(self, num_ranks: int) -> None:
+        """EPError unless num_ranks (R) divides num_experts."""
         if self.num_experts % num_ranks != 0:
-            raise ValueError(
+            raise EPError(
                 f"EPConfig.num_experts ({self.num_experts}) must be divisible by the size of mesh axis "
                 f"'{self.axis_name}' ({num_ranks})")
 

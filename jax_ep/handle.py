@@ -6,7 +6,7 @@ Field meanings are documented in docs/API.md; every backend fills them identical
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 
@@ -64,12 +64,14 @@ class LowLatencyDispatchPending:
     """What `low_latency_dispatch_send` leaves in flight for `low_latency_dispatch_recv`.
 
     buffers: backend-private arrays; state: the chain state after the send (the receive continues from it when it
-    is given no state); use_fp8: static (part of the pytree structure, not an array).
+    is given no state); use_fp8 and cfg (the send's EPConfig, which the receive must match): static (part of the
+    pytree structure, not arrays).
     """
 
     buffers: tuple
     state: LowLatencyState
     use_fp8: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    cfg: Optional[Any] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -79,3 +81,4 @@ class LowLatencyCombinePending:
 
     buffers: tuple
     state: LowLatencyState
+    cfg: Optional[Any] = dataclasses.field(default=None, metadata=dict(static=True))

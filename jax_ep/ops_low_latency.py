@@ -15,7 +15,7 @@ is an EPError on every backend.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +26,16 @@ from .config import EPConfig
 from .errors import EPError
 from .handle import (LowLatencyCombinePending, LowLatencyDispatchOutput, LowLatencyDispatchPending,
                      LowLatencyHandle, LowLatencyState)
-from .validation import check_array, check_config, check_fp8_hidden, check_handle, check_routing, check_tokens, group_size
+from .validation import (check_array, check_config, check_fp8_hidden, check_kernel_limits, check_low_latency_handle,
+                         check_pending_config, check_routing, check_tokens, group_size)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+
+# What an LL op returns: the result alone, or (result, next state) when it was given a state.
+DispatchResult = Union[LowLatencyDispatchOutput, Tuple[LowLatencyDispatchOutput, LowLatencyState]]
+DispatchSendResult = Union[LowLatencyDispatchPending, Tuple[LowLatencyDispatchPending, LowLatencyState]]
+CombineResult = Union[jax.Array, Tuple[jax.Array, LowLatencyState]]
+CombineSendResult = Union[LowLatencyCombinePending, Tuple[LowLatencyCombinePending, LowLatencyState]]
 
 
 def low_latency_state(cfg: Optional[EPConfig] = None) -> LowLatencyState:
@@ -71,6 +78,7 @@ def _not_differentiable(op: str, fn, *args):
 def _check_ll_dispatch(op, x, topk_idx, cfg, use_fp8):
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=True)
     check_array(op, "x", x, (None, cfg.hidden), (BF16,))
     check_tokens(op, "x", x.shape[0], cfg)
     check_routing(op, topk_idx, None, x.shape[0], cfg)
@@ -87,7 +95,7 @@ def _result(result, state_out, state_given):
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------
 def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, cfg: EPConfig, use_fp8: bool = True, *,
-                         state: Optional[LowLatencyState] = None):
+                         state: Optional[LowLatencyState] = None) -> DispatchResult:
     """One copy per (token, expert) into per-expert rows (inside shard_map over cfg.axis_name).
 
     x [T, H] bf16, topk_idx [T, K] i32 (-1 / out of range: skipped). Returns LowLatencyDispatchOutput(recv_x
@@ -135,7 +143,7 @@ def _ll_dispatch_vjp(cfg: EPConfig, num_ranks: int):
 
 
 def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, cfg: EPConfig, use_fp8: bool = True, *,
-                              state: Optional[LowLatencyState] = None):
+                              state: Optional[LowLatencyState] = None) -> DispatchSendResult:
     """First half of low_latency_dispatch: starts the exchange and returns a LowLatencyDispatchPending (or
     (pending, next_state) when `state` is given); finish with low_latency_dispatch_recv. At most two sends may wait
     for their receives. Not differentiable."""
@@ -147,7 +155,7 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, cfg: EPConfig, 
         op, lambda x_, i_, s_: _pair(backend.ll_dispatch_send(x_, i_, LowLatencyState(s_), cfg, num_ranks, use_fp8)),
         x, topk_idx, st.value)
     st_out = LowLatencyState(st_out)
-    pending = LowLatencyDispatchPending(buffers=tuple(buffers), state=st_out, use_fp8=use_fp8)
+    pending = LowLatencyDispatchPending(buffers=tuple(buffers), state=st_out, use_fp8=use_fp8, cfg=cfg)
     return _result(pending, st_out, state)
 
 
@@ -158,13 +166,16 @@ def _pair(result):
 
 
 def low_latency_dispatch_recv(pending: LowLatencyDispatchPending, cfg: EPConfig, *,
-                              state: Optional[LowLatencyState] = None):
+                              state: Optional[LowLatencyState] = None) -> DispatchResult:
     """Second half of low_latency_dispatch: waits for the rows and returns LowLatencyDispatchOutput (or
-    (output, next_state) when `state` is given; without one it continues from the pending's own state)."""
+    (output, next_state) when `state` is given; without one it continues from the pending's own state). cfg must be
+    the EPConfig the send used (EPError naming the differing fields otherwise)."""
     op = "low_latency_dispatch_recv"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=True)
     _check_pending(op, pending, LowLatencyDispatchPending, "low_latency_dispatch_send")
+    check_pending_config(op, pending.cfg, cfg, "low_latency_dispatch_send")
     st = pending.state if state is None else _state_in(op, state)
     backend = backend_for(cfg, op, low_latency=True)
     out, st_out = backend.ll_dispatch_recv(pending.buffers, st, cfg, num_ranks, pending.use_fp8)
@@ -185,6 +196,8 @@ def _check_pending(op, pending, kind, producer):
 def _check_ll_combine(op, expert_out, topk_idx, topk_weights, handle, cfg):
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=True)
+    check_low_latency_handle(op, handle, cfg, num_ranks)  # first: a config mismatch is named as such
     num_local, rows = cfg.num_local_experts(num_ranks), cfg.low_latency_rows(num_ranks)
     check_array(op, "expert_out", expert_out, (num_local, rows, cfg.hidden), (BF16,))
     num_tokens = topk_idx.shape[0] if getattr(topk_idx, "ndim", 0) >= 1 else 0
@@ -192,12 +205,12 @@ def _check_ll_combine(op, expert_out, topk_idx, topk_weights, handle, cfg):
     if topk_weights is None:
         raise EPError(f"jax_ep.{op}: topk_weights [T, K] f32 is required (the combine is weighted)")
     check_routing(op, topk_idx, topk_weights, num_tokens, cfg)
-    check_handle(op, handle, LowLatencyHandle, {"src_info": (num_local, rows), "layout_range": (num_local, num_ranks)})
     return num_ranks
 
 
 def low_latency_combine(expert_out: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle, cfg: EPConfig, *, state: Optional[LowLatencyState] = None):
+                        handle: LowLatencyHandle, cfg: EPConfig, *,
+                        state: Optional[LowLatencyState] = None) -> CombineResult:
     """y[t] = sum_k topk_weights[t, k] * expert_out at (t, k)'s row, f32 accumulation, bf16 out (inside shard_map).
 
     expert_out [L, R*T_max, H] bf16, topk_idx / topk_weights [T, K] (the dispatch's routing; masked slots count 0
@@ -237,7 +250,8 @@ def _ll_combine_vjp(cfg: EPConfig, num_ranks: int):
 
 
 def low_latency_combine_send(expert_out: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                             handle: LowLatencyHandle, cfg: EPConfig, *, state: Optional[LowLatencyState] = None):
+                             handle: LowLatencyHandle, cfg: EPConfig, *,
+                             state: Optional[LowLatencyState] = None) -> CombineSendResult:
     """First half of low_latency_combine: sends expert rows back; returns LowLatencyCombinePending (or (pending,
     next_state)); finish with low_latency_combine_recv. Not differentiable."""
     op = "low_latency_combine_send"
@@ -249,16 +263,19 @@ def low_latency_combine_send(expert_out: jax.Array, topk_idx: jax.Array, topk_we
                                                                      num_ranks)),
         expert_out, topk_idx, topk_weights, handle, st.value)
     st_out = LowLatencyState(st_out)
-    return _result(LowLatencyCombinePending(buffers=tuple(buffers), state=st_out), st_out, state)
+    return _result(LowLatencyCombinePending(buffers=tuple(buffers), state=st_out, cfg=cfg), st_out, state)
 
 
 def low_latency_combine_recv(pending: LowLatencyCombinePending, cfg: EPConfig, *,
-                             state: Optional[LowLatencyState] = None):
-    """Second half of low_latency_combine: waits for the rows and returns y [T, H] bf16 (or (y, next_state))."""
+                             state: Optional[LowLatencyState] = None) -> CombineResult:
+    """Second half of low_latency_combine: waits for the rows and returns y [T, H] bf16 (or (y, next_state)). cfg must
+    be the EPConfig the send used (EPError naming the differing fields otherwise)."""
     op = "low_latency_combine_recv"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=True)
     _check_pending(op, pending, LowLatencyCombinePending, "low_latency_combine_send")
+    check_pending_config(op, pending.cfg, cfg, "low_latency_combine_send")
     st = pending.state if state is None else _state_in(op, state)
     y, st_out = backend_for(cfg, op, low_latency=True).ll_combine_recv(pending.buffers, st, cfg, num_ranks)
     return _result(y, st_out, state)

@@ -18,7 +18,8 @@ from ._select import backend_for
 from .config import FP8_BLOCK, EPConfig
 from .errors import EPError
 from .handle import DispatchHandle, DispatchLayout, DispatchOutput
-from .validation import check_array, check_config, check_fp8_hidden, check_handle, check_routing, check_tokens, group_size
+from .validation import (check_array, check_config, check_dispatch_handle, check_fp8_hidden, check_kernel_limits,
+                         check_routing, check_tokens, group_size)
 
 BF16, F32, FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 
@@ -28,12 +29,14 @@ def get_dispatch_layout(topk_idx: jax.Array, cfg: EPConfig) -> DispatchLayout:
 
     topk_idx [T, K] i32 (values outside [0, E) mean "no expert") -> DispatchLayout(num_tokens_per_rank [R] i32,
     num_tokens_per_expert [E] i32, is_token_in_rank [T, R] bool). A token counts once per rank and once per expert.
-    Raises EPError/EPTypeError naming the argument for a wrong shape or dtype, T > cfg.max_tokens_per_rank, or a
-    call outside shard_map over cfg.axis_name.
+    Raises EPError/EPTypeError naming the argument for a wrong shape or dtype, T > cfg.max_tokens_per_rank, a
+    config beyond the CUDA kernels' limits (docs/API.md, "Errors and edge cases"), or a call outside shard_map over
+    cfg.axis_name.
     """
     op = "get_dispatch_layout"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=False)
     num_tokens = topk_idx.shape[0] if getattr(topk_idx, "ndim", 0) >= 1 else 0
     check_routing(op, topk_idx, None, num_tokens, cfg)
     check_tokens(op, "topk_idx", num_tokens, cfg)
@@ -54,9 +57,13 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, cfg: EP
     op = "dispatch"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=False)
     check_array(op, "x", x, (None, cfg.hidden), (BF16, F32, FP8))
     num_tokens = x.shape[0]
     check_tokens(op, "x", num_tokens, cfg)
+    if topk_weights is None:
+        raise EPError(f"jax_ep.{op}: topk_weights [T, K] f32 is required (it becomes recv_topk_weights); pass "
+                      f"jnp.ones((T, K), jnp.float32) for a layer without routing weights")
     check_routing(op, topk_idx, topk_weights, num_tokens, cfg)
     if x.dtype == FP8:
         check_fp8_hidden(op, cfg)
@@ -112,13 +119,6 @@ def _dispatch_fp8_vjp(cfg: EPConfig, num_ranks: int):
     return fn
 
 
-def _check_dispatch_handle(op, handle, cfg, num_ranks, num_tokens=None):
-    capacity = cfg.capacity(num_ranks)
-    check_handle(op, handle, DispatchHandle, {
-        "send_pos": (num_tokens, num_ranks), "recv_src_idx": (capacity,), "recv_src_rank": (capacity,),
-        "recv_rank_counts": (num_ranks,), "send_row_offset": (num_ranks,)})
-
-
 def combine(expert_out: jax.Array, handle: DispatchHandle, cfg: EPConfig,
             topk_weights: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[jax.Array]]:
     """Sends each received row back to its source rank and sums there (inside shard_map over cfg.axis_name).
@@ -126,14 +126,16 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, cfg: EPConfig,
     expert_out [C, H] bf16 or f32, handle = the DispatchOutput.handle of the matching dispatch, topk_weights
     [C, K] f32 or None. Returns (y [T, H] expert_out.dtype, y_weights [T, K] f32 or None): y[t] = sum over the ranks
     that received t of expert_out[row of t there], accumulated in f32. Differentiable in expert_out and topk_weights.
-    Raises EPError naming the argument on bad input.
+    Raises EPError naming the argument on bad input, including a handle whose dispatch had another group size or
+    capacity, or more tokens per rank than cfg.max_tokens_per_rank (the handle is checked against cfg first).
     """
     op = "combine"
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
+    check_kernel_limits(op, cfg, num_ranks, low_latency=False)
+    check_dispatch_handle(op, handle, cfg, num_ranks)
     capacity = cfg.capacity(num_ranks)
     check_array(op, "expert_out", expert_out, (capacity, cfg.hidden), (BF16, F32))
-    _check_dispatch_handle(op, handle, cfg, num_ranks)
     if topk_weights is not None:
         check_array(op, "topk_weights", topk_weights, (capacity, cfg.num_topk), (F32,))
     return _combine_vjp(cfg, num_ranks, topk_weights is not None)(expert_out, topk_weights, handle)

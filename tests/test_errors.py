@@ -46,8 +46,9 @@ def expect(match, fn, *args, exc=jax_ep.EPError, **kw):
     ("axis_name", "", "axis_name must be a non-empty str"),
 ])
 def test_config_errors(field, value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(jax_ep.EPError, match=match) as e:  # EPError is a ValueError
         cfg(**{field: value})
+    assert type(e.value) is jax_ep.EPError
 
 
 def test_config_is_hashable_and_frozen():

@@ -44,6 +44,9 @@ constexpr int kCombineRecvThreads = 256;
 constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
 constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
 constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
+constexpr uint32_t kE4m3NaN = 0x7Fu;   // the e4m3fn NaN code a non-finite channel becomes (jax_ep/fp8.py)
+
+__device__ __forceinline__ bool is_finite(float f) { return fabsf(f) < __int_as_float(0x7f800000); }  // NaN: false
 
 // Quantizes channels [ch0, ch1) (at most kSegChannels) of one bf16 row into an fp8 message (payload at +0, scales
 // at +H). Each lane owns 16 channels per step (two 16-byte loads, one 16-byte fp8 store: NVLink moves full 16-byte
@@ -51,6 +54,9 @@ constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): t
 // 128-channel block (H % 128 == 0). All loads of the segment are issued before any arithmetic.
 // warp_scales: 8 floats of shared memory owned by this warp (the segment's scales go to the peer as 16-byte vectors,
 // not 4-byte writes).
+// Non-finite channels (docs/API.md, jax_ep/fp8.py): amax is taken over the block's finite channels only (0 if none),
+// and every NaN / +inf / -inf channel is stored as the NaN code 0x7F (not a saturated 448), so NaN propagates to
+// exactly the channels that were non-finite and the rest of the block is quantized as if they were absent.
 __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_bfloat16* row, int hidden, int ch0,
                                                  int ch1, float* warp_scales) {
   constexpr int kSteps = kSegChannels / 512;
@@ -74,7 +80,7 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
         float f[8];
         unpack_bf16x8(v[j][h], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], fabsf(f[i]));
+        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], is_finite(f[i]) ? fabsf(f[i]) : 0.0f);
       }
     }
   }
@@ -87,7 +93,7 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
   for (int j = 0; j < kSteps; ++j) {
     const int ch = ch0 + 512 * j + lane * 16;
     if (ch >= ch1) continue;
-    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); all-zero block: scale 1.
+    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); amax == 0: scale 1.
     const float scale = amax[j] > 0.0f ? __fmul_rn(amax[j], kInvE4m3Max) : 1.0f;
     const float inv = __fdiv_rn(1.0f, scale);
     uint32_t q2[8];
@@ -96,9 +102,13 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
       float f[8];
       unpack_bf16x8(v[j][h], f);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        q2[4 * h + i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)),
-                                                 __NV_SATFINITE, __NV_E4M3);
+      for (int i = 0; i < 4; ++i) {
+        uint32_t pair = __nv_cvt_float2_to_fp8x2(  // f[2i] -> low byte, f[2i+1] -> high byte
+            make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)), __NV_SATFINITE, __NV_E4M3);
+        if (!is_finite(f[2 * i])) pair = (pair & 0xFF00u) | kE4m3NaN;
+        if (!is_finite(f[2 * i + 1])) pair = (pair & 0x00FFu) | (kE4m3NaN << 8);
+        q2[4 * h + i] = pair;
+      }
     }
     st_v4(reinterpret_cast<int4*>(msg_payload + ch),
           make_int4(static_cast<int>(q2[0] | (q2[1] << 16)), static_cast<int>(q2[2] | (q2[3] << 16)),
