@@ -34,3 +34,33 @@ def sharded(fn, mesh: Mesh, num_in: int, spec=None):
 
 def bf16(a) -> jax.Array:
     return jnp.asarray(a, jnp.bfloat16)
+
+
+def non_finite_rows(num_tokens, hidden, seed):
+    """bf16 rows (as f32) whose blocks hold: NaN, +inf, -inf, all three, all non-finite, all zero, zeros + NaN, none."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((num_tokens, hidden)) * rng.choice([1e-3, 1.0, 300.0], (num_tokens, 1)))
+    x = x.astype(np.float32)
+    blocks = x.reshape(num_tokens, -1, 128)
+    cases = ["nan", "inf", "-inf", "mixed", "all_non_finite", "all_zero", "zero_and_nan", "finite"]
+    for t in range(num_tokens):
+        for b in range(blocks.shape[1]):
+            case = cases[(t * blocks.shape[1] + b) % len(cases)]
+            ch = rng.choice(128, size=3, replace=False)
+            if case == "nan":
+                blocks[t, b, ch[0]] = np.nan
+            elif case == "inf":
+                blocks[t, b, ch[0]] = np.inf
+            elif case == "-inf":
+                blocks[t, b, ch[:2]] = -np.inf
+            elif case == "mixed":
+                blocks[t, b, ch] = [np.nan, np.inf, -np.inf]
+                blocks[t, b, (ch[0] + 1) % 128] = -np.nan  # a NaN with its sign bit set
+            elif case == "all_non_finite":
+                blocks[t, b] = np.resize(np.array([np.nan, np.inf, -np.inf], np.float32), 128)
+            elif case == "all_zero":
+                blocks[t, b] = 0.0
+            elif case == "zero_and_nan":
+                blocks[t, b] = 0.0
+                blocks[t, b, ch[0]] = np.nan
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # exactly representable in bf16

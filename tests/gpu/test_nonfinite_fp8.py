@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import intranode_harness as h  # tests/gpu is on sys.path
+from helpers import non_finite_rows  # tests/ is on sys.path
 
 import jax
 import jax.numpy as jnp
@@ -23,37 +24,6 @@ import jax_ep
 
 SPEC = P("ep")
 H, K, T = 1024, 4, 32  # H = one full kSegChannels segment per warp item: all lanes and both steps quantize
-CASES = ("nan", "inf", "-inf", "mixed", "all_non_finite", "all_zero", "zero_and_nan", "finite")
-
-
-def _rows(num_tokens, seed):
-    """bf16 rows, each 128-channel block one of CASES (cycled), finite values at three magnitudes."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((num_tokens, H)) * rng.choice([1e-3, 1.0, 300.0], (num_tokens, 1))).astype(np.float32)
-    blocks = x.reshape(num_tokens, H // 128, 128)
-    for t in range(num_tokens):
-        for b in range(H // 128):
-            case = CASES[(t * (H // 128) + b + t) % len(CASES)]
-            ch = rng.choice(128, size=3, replace=False)
-            if case == "nan":
-                blocks[t, b, ch[0]] = np.nan
-            elif case == "inf":
-                blocks[t, b, ch[0]] = np.inf
-            elif case == "-inf":
-                blocks[t, b, ch[:2]] = -np.inf
-            elif case == "mixed":
-                blocks[t, b, ch] = [np.nan, np.inf, -np.inf]
-                blocks[t, b, (ch[0] + 1) % 128] = -np.nan
-            elif case == "all_non_finite":
-                blocks[t, b] = np.resize(np.array([np.nan, np.inf, -np.inf], np.float32), 128)
-            elif case == "all_zero":
-                blocks[t, b] = 0.0
-            elif case == "zero_and_nan":
-                blocks[t, b] = 0.0
-                blocks[t, b, ch[0]] = np.nan
-    return x
-
-
 def _body(cfg, split):
     def f(x, idx):
         if split:
@@ -77,7 +47,7 @@ def test_ll_fp8_dispatch_of_non_finite_rows_is_bit_identical_to_reference(split)
     ref = jax_ep.EPConfig(E, H, K, T, backend="reference")
     jax_ep.initialize(mesh, cuda, ref)
     rng = np.random.default_rng(13)
-    x_np = _rows(R * T, seed=13)
+    x_np = non_finite_rows(R * T, H, seed=13)
     idx = jnp.asarray(np.concatenate([h.routing(rng, T, K, E, "messy") for _ in range(R)]))
     x = jnp.asarray(x_np, jnp.bfloat16)
     non_finite = ~np.isfinite(np.asarray(x, np.float32))
