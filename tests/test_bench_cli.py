@@ -44,3 +44,16 @@ def test_bench_cli_one_process_per_device_group(tmp_path):
     assert data["meta"]["process_model"].startswith("multi-process")
     ours = [r for r in data["results"] if r["name"] == "jax_ep LL dispatch fp8"]
     assert ours and all(r["ranks"] == 4 and r["us"] > 0 and "error" not in r for r in ours), ours
+
+
+def test_reliability_cli_small_cpu_run():
+    """python -m jax_ep.bench.reliability on CPU: the long run compares the reference backend with itself at every
+    step (a wiring check of the per-step records and the final LL state) and the lifecycle part says it needs a GPU."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jax_ep.bench.reliability", "--steps", "6", "--cycles", "1", "--tokens", "8",
+           "--hidden", "128", "--topk", "2", "--experts-per-rank", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "4 x cpu" in proc.stdout
+    assert "final LL state [12, 0, 0, 0]" in proc.stdout and ": OK" in proc.stdout
+    assert "lifecycle: skipped (no CUDA backend here" in proc.stdout

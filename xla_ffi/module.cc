@@ -229,6 +229,22 @@ NB_MODULE(_jax_ep_native, m) {
   m.def("cuda_runtime_version", []() { return int{CUDART_VERSION}; },
         "CUDART_VERSION the module was compiled with (e.g. 13000); compile-time, needs no GPU");
   m.def(
+      "device_memory_info",
+      [](int ordinal) {
+        // cudaMemGetInfo sees every allocation on the device (jax_ep's cudaMalloc'd staging, XLA's pool, NVSHMEM):
+        // what a leak check of initialize / finalize needs. Restores the calling thread's device.
+        int previous = -1;
+        size_t free_bytes = 0, total_bytes = 0;
+        jax_ep::Status st = jax_ep::CudaStatus(cudaGetDevice(&previous), "cudaGetDevice", __FILE__, __LINE__);
+        if (st.ok()) st = jax_ep::CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice", __FILE__, __LINE__);
+        if (st.ok())
+          st = jax_ep::CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo", __FILE__, __LINE__);
+        if (previous >= 0) cudaSetDevice(previous);
+        throw_if_error(st);
+        return std::make_tuple(static_cast<int64_t>(free_bytes), static_cast<int64_t>(total_bytes));
+      },
+      nb::arg("ordinal"), "(free, total) bytes of CUDA device `ordinal` (cudaMemGetInfo); needs a GPU");
+  m.def(
       "registrations",
       []() {
         nb::list out;
