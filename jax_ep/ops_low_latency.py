@@ -171,15 +171,21 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending, cfg: EPConfig,
     (output, next_state) when `state` is given; without one it continues from the pending's own state). cfg must be
     the EPConfig the send used (EPError naming the differing fields otherwise)."""
     op = "low_latency_dispatch_recv"
+    num_ranks, st, backend = _recv_setup(op, pending, LowLatencyDispatchPending, "low_latency_dispatch_send", cfg,
+                                         state)
+    out, st_out = backend.ll_dispatch_recv(pending.buffers, st, cfg, num_ranks, pending.use_fp8)
+    return _result(out, st_out, state)
+
+
+def _recv_setup(op, pending, kind, producer, cfg, state):
+    """Checks shared by the two split receives -> (R, the state to continue from, the backend)."""
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
     check_kernel_limits(op, cfg, num_ranks, low_latency=True)
-    _check_pending(op, pending, LowLatencyDispatchPending, "low_latency_dispatch_send")
-    check_pending_config(op, pending.cfg, cfg, "low_latency_dispatch_send")
+    _check_pending(op, pending, kind, producer)
+    check_pending_config(op, pending.cfg, cfg, producer)
     st = pending.state if state is None else _state_in(op, state)
-    backend = backend_for(cfg, op, low_latency=True)
-    out, st_out = backend.ll_dispatch_recv(pending.buffers, st, cfg, num_ranks, pending.use_fp8)
-    return _result(out, st_out, state)
+    return num_ranks, st, backend_for(cfg, op, low_latency=True)
 
 
 def _check_pending(op, pending, kind, producer):
@@ -271,11 +277,7 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending, cfg: EPConfig, *
     """Second half of low_latency_combine: waits for the rows and returns y [T, H] bf16 (or (y, next_state)). cfg must
     be the EPConfig the send used (EPError naming the differing fields otherwise)."""
     op = "low_latency_combine_recv"
-    check_config(op, cfg)
-    num_ranks = group_size(cfg, op)
-    check_kernel_limits(op, cfg, num_ranks, low_latency=True)
-    _check_pending(op, pending, LowLatencyCombinePending, "low_latency_combine_send")
-    check_pending_config(op, pending.cfg, cfg, "low_latency_combine_send")
-    st = pending.state if state is None else _state_in(op, state)
-    y, st_out = backend_for(cfg, op, low_latency=True).ll_combine_recv(pending.buffers, st, cfg, num_ranks)
+    num_ranks, st, backend = _recv_setup(op, pending, LowLatencyCombinePending, "low_latency_combine_send", cfg,
+                                         state)
+    y, st_out = backend.ll_combine_recv(pending.buffers, st, cfg, num_ranks)
     return _result(y, st_out, state)
