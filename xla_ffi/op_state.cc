@@ -31,6 +31,18 @@ std::string check_common(std::string_view axis, int32_t num_experts, int32_t hid
 
 uint64_t timeout_of(int64_t ns) { return static_cast<uint64_t>(ns > 0 ? ns : 1); }
 
+// The config fields both attribute structs share.
+template <typename Attrs>
+OpConfig base_config(const Attrs& a) {
+  OpConfig c;
+  c.num_experts = a.num_experts;
+  c.hidden = a.hidden;
+  c.num_topk = a.num_topk;
+  c.max_tokens_per_rank = a.max_tokens_per_rank;
+  c.timeout_ns = timeout_of(a.timeout_ns);
+  return c;
+}
+
 }  // namespace
 
 ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const NormalAttrs& a) {
@@ -39,13 +51,8 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const
     err = "num_experts must be <= " + std::to_string(kMaxLayoutExperts) + ", got " + std::to_string(a.num_experts);
   if (err.empty() && a.num_sms < 1) err = "num_sms must be >= 1, got " + std::to_string(a.num_sms);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
-  OpConfig c;
-  c.num_experts = a.num_experts;
-  c.hidden = a.hidden;
-  c.num_topk = a.num_topk;
-  c.max_tokens_per_rank = a.max_tokens_per_rank;
+  OpConfig c = base_config(a);
   c.num_sms = a.num_sms;
-  c.timeout_ns = timeout_of(a.timeout_ns);
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kNormal, std::string(a.axis), c));
 }
 
@@ -58,13 +65,8 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, c
   if (err.empty() && a.use_fp8 != 0 && a.hidden % kFp8Block != 0)
     err = "fp8 dispatch needs hidden % 128 == 0, got hidden=" + std::to_string(a.hidden);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
-  OpConfig c;
-  c.num_experts = a.num_experts;
-  c.hidden = a.hidden;
-  c.num_topk = a.num_topk;
-  c.max_tokens_per_rank = a.max_tokens_per_rank;
+  OpConfig c = base_config(a);
   c.use_fp8 = a.use_fp8 != 0;
-  c.timeout_ns = timeout_of(a.timeout_ns);
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
 }
 
