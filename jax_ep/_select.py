@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from . import backends, runtime
+from ._guarded import GuardedReference
 from .config import LOW_LATENCY_AUTO_MAX_TOKENS, EPConfig
 from .errors import EPError
+from .runtime import kv
 
 
 def backend_for(cfg: EPConfig, op: str, low_latency: bool = False):
     """The backend module for `op` on `cfg` (backends.base.Backend). On the CUDA backend this makes sure a runtime
     knows cfg first (trace-time initialize on the program's mesh, or an EPError saying to call initialize)."""
     if runtime.resolve_backend(cfg) == "reference":
+        job = kv.joined_job()
+        if job is not None and job[1] > 1:  # collectives across processes: bounded by an arrival check first
+            return GuardedReference(op, cfg)
         return backends.reference
     if low_latency and not cfg.uses_low_latency_buffers():
         if cfg.backend == "auto":

@@ -407,3 +407,28 @@ def test_init_from_env_partial_environment(monkeypatch):
     with pytest.raises(RuntimeError, match=r"JAX_EP_PROCESS_ID=2 not in \[0, JAX_EP_NUM_PROCESSES=2\)"):
         launch.init_from_env()
     assert join._state is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (5) a stalled (alive) peer: bounded by EPConfig.timeout_seconds, not a hang
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["dispatch", "low_latency_dispatch"])
+def test_stalled_peer_is_an_error_naming_op_and_rank(op):
+    """Rank 1 sleeps after one step (still heartbeating, so the coordination service sees nothing wrong); rank 0's
+    next reference-backend op must fail within timeout_seconds (5 s) plus slack with an EPError naming the op and
+    rank 1, and the launcher must then end rank 1 (which would otherwise sleep 300 s)."""
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-gpu-pinning", "--timeout", "90", "--grace-seconds", "2",
+                                     os.path.join(MP, "stall_rank.py"), "--stall-rank", "1", "--timeout", "5",
+                                     "--op", op], timeout=120)
+    assert rc == 7, f"launcher exit code {rc}, expected 7 (rank 0's arrival error)" + show(out, err)
+    m = re.search(r"^\[rank 0\] ARRIVAL_ERROR ([\d.]+) (.*)$", out, re.M)
+    assert m, "rank 0 printed no arrival error" + show(out, err)
+    waited, message = float(m.group(1)), m.group(2)
+    assert 4.5 <= waited <= 5 + 5, f"rank 0 waited {waited} s for a 5 s timeout" + show(out, err)
+    assert message.startswith(f"EPError: jax_ep.{op}"), message
+    assert "process 1 (ranks [1] on axis 'ep') did not arrive" in message, message
+    assert "within 5 s" in message, message
+    assert "STEP 2 returned" not in out, show(out, err)
+    assert re.search(r"rank 1: stopped by the launcher \(SIG(TERM|KILL)\)", err), show(out, err)
+    assert dt < 60, f"launcher took {dt:.1f} s" + show(out, err)
+    print(f"{op}: rank 0 raised after {waited:.1f} s: {message}")
