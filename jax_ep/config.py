@@ -11,6 +11,10 @@ import numpy as np
 from .errors import EPError
 
 BACKENDS = ("auto", "cuda", "reference")
+LOW_LATENCY_MODES = ("auto", "per_expert", "per_rank")
+# low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows (see
+# EPConfig.low_latency_mode_for).
+PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
 
 # ---- limits of the CUDA kernels (docs/API.md, "Errors and edge cases") ------------------------------------------
 # Every backend validates them at trace time (jax_ep/validation.py: check_kernel_limits), so a program that runs on
@@ -58,6 +62,13 @@ class EPConfig:
       backend: "cuda", "reference" or "auto".
       num_sms: SMs the CUDA kernels may occupy (like DeepEP's Buffer.num_sms), leaving the rest for compute.
       timeout_seconds: a device wait for a peer gives up (with an error) after about this long.
+      low_latency_mode: how low-latency ops move rows (docs/API.md, "Low-latency modes"). "per_expert" (DeepEP's
+        layout): one copy per (token, expert), weighted sum at the source. "per_rank": one copy per (token,
+        destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
+        there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
+        only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
+        uniform routing (low_latency_mode_for). Default "per_expert": per_rank has no CUDA kernels yet (the
+        reference backend runs it; backend="cuda" raises, backend="auto" falls back to the reference backend).
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
@@ -74,6 +85,7 @@ class EPConfig:
     num_sms: int = 24
     timeout_seconds: float = 100.0
     low_latency_buffers: Optional[bool] = None
+    low_latency_mode: str = "per_expert"
 
     def __post_init__(self):
         def normalize(name, value):
@@ -100,6 +112,10 @@ class EPConfig:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise EPError(f"EPConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         normalize("backend", str(self.backend))
+        if not isinstance(self.low_latency_mode, str) or self.low_latency_mode not in LOW_LATENCY_MODES:
+            raise EPError(f"EPConfig.low_latency_mode must be one of {LOW_LATENCY_MODES}, got "
+                          f"{self.low_latency_mode!r}")
+        normalize("low_latency_mode", str(self.low_latency_mode))
         llb = self.low_latency_buffers
         if llb is not None and not isinstance(llb, (bool, np.bool_)):
             raise EPError(f"EPConfig.low_latency_buffers must be None, True or False, got {llb!r}")
@@ -134,6 +150,21 @@ class EPConfig:
         if self.low_latency_buffers is None:
             return self.max_tokens_per_rank <= LOW_LATENCY_AUTO_MAX_TOKENS
         return self.low_latency_buffers
+
+    def low_latency_mode_for(self, num_ranks: int) -> str:
+        """'per_expert' or 'per_rank': low_latency_mode, with "auto" resolved from (R, K) alone.
+
+        A token sends K rows in per_expert mode (one per distinct expert) and one row per distinct destination rank
+        in per_rank mode: for K experts drawn uniformly from R ranks, R * (1 - (1 - 1/R)^K) on average. "auto" picks
+        per_rank when that is at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the rows),
+        R=8, K=8 (0.66); not for K=1 (no saving) or R=2, K=2 (3/4). E does not change the ratio (only L = E / R,
+        the receiver's fan-out). The same on every backend, so both backends compute the same combine.
+        """
+        if self.low_latency_mode != "auto":
+            return self.low_latency_mode
+        k = self.num_topk
+        per_rank_rows = num_ranks * (1.0 - (1.0 - 1.0 / num_ranks) ** k)
+        return "per_rank" if per_rank_rows <= PER_RANK_MAX_ROW_FRACTION * k else "per_expert"
 
     def low_latency_rows(self, num_ranks: int) -> int:
         """Rows per local expert in low-latency mode (R * T_max)."""

@@ -38,6 +38,11 @@ class DispatchOutput(NamedTuple):
 class LowLatencyHandle(NamedTuple):
     src_info: jax.Array  # [L, R * T_max] i32: source token index per row, -1 on invalid rows
     layout_range: jax.Array  # [L, R] i32: rows of each local expert from each source rank
+    # per_rank mode only (None in per_expert mode). Message j from source s = the j-th smallest token index of s
+    # with at least one expert on this rank.
+    msg_token: Optional[jax.Array] = None  # [R, T_max] i32: that token's index at s, -1 for j >= messages from s
+    token_rows: Optional[jax.Array] = None  # [R, T_max, K] i32: for its k-th expert, l * R*T_max + row of the
+    #                                         token in recv_x[l] when the expert is local (l), else -1
 
 
 class LowLatencyDispatchOutput(NamedTuple):

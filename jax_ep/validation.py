@@ -163,6 +163,14 @@ def check_low_latency_handle(op: str, handle, cfg: EPConfig, num_ranks: int) -> 
                       f"{made_by} on {num_ranks} ranks; this cfg (num_experts={cfg.num_experts}, max_tokens_per_rank="
                       f"{cfg.max_tokens_per_rank}) expects {(num_local, rows)}; {_SAME_CONFIG}")
     check_array(op, "handle.layout_range", handle.layout_range, (num_local, num_ranks), (jnp.int32,))
+    if cfg.low_latency_mode_for(num_ranks) == "per_rank":
+        if handle.msg_token is None or handle.token_rows is None:
+            raise EPError(f"jax_ep.{op}: cfg uses low_latency_mode 'per_rank' on {num_ranks} ranks (low_latency_mode="
+                          f"{cfg.low_latency_mode!r}) but the handle has no msg_token / token_rows: it was made by a "
+                          f"per_expert low_latency_dispatch; {_SAME_CONFIG}")
+        check_array(op, "handle.msg_token", handle.msg_token, (num_ranks, cfg.max_tokens_per_rank), (jnp.int32,))
+        check_array(op, "handle.token_rows", handle.token_rows, (num_ranks, cfg.max_tokens_per_rank, cfg.num_topk),
+                    (jnp.int32,))
 
 
 def check_pending_config(op: str, pending_cfg, cfg: EPConfig, producer: str) -> None:

@@ -315,6 +315,34 @@ def ll_dispatch(x, topk_idx, num_experts, num_ranks, max_tokens_per_rank, use_fp
                 layout_range=layout_range, row_of=row_of, rows=rows)
 
 
+def ll_message_tables(topk_idx, num_experts, num_ranks, max_tokens_per_rank):
+    """per_rank mode's handle tables for every rank, from the routing alone (loops, no cumsum tricks).
+
+    Returns msg_token [R(receiver), R(src), T_max] and token_rows [R, R, T_max, K]: message j from s is the j-th
+    token t of s (in token order) with at least one expert on the receiver; token_rows holds l * R*T_max + (row of
+    (s, t) in the receiver's expert l) for each k whose expert is local, -1 elsewhere and for j >= messages.
+    """
+    R, E, Tm = num_ranks, num_experts, int(max_tokens_per_rank)
+    L, N = E // R, R * Tm
+    idx = sanitize_topk(np.asarray(topk_idx), E)
+    _, T, K = idx.shape
+    row_of = ll_dispatch(np.zeros((R, T, 128), BF16), idx, E, R, Tm, use_fp8=False)["row_of"]
+    msg_token = np.full((R, R, Tm), -1, np.int32)
+    token_rows = np.full((R, R, Tm, K), -1, np.int32)
+    for r in range(R):
+        for s in range(R):
+            j = 0
+            for t in range(T):
+                local = [k for k in range(K) if idx[s, t, k] >= 0 and idx[s, t, k] // L == r]
+                if not local:
+                    continue
+                msg_token[r, s, j] = t
+                for k in local:
+                    token_rows[r, s, j, k] = (idx[s, t, k] % L) * N + row_of[s, t, k]
+                j += 1
+    return msg_token, token_rows
+
+
 def ll_rows_from_handle(topk_idx, src_info, layout_range, num_experts):
     """Recover each valid (s, t, k)'s row from the LL handle alone (src_info + layout_range).
     Raises AssertionError when the handle does not name exactly one row for a pair."""

@@ -260,7 +260,18 @@ def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ran
         full = jnp.broadcast_to(part[None, None], mask.shape + part.shape[1:])
         slots.append(jnp.where(mask.reshape(mask.shape + (1,)), full, jnp.zeros((), full.dtype)))
     buffers = tuple(_exchange(s, cfg) for s in slots) + (_exchange(mask, cfg),)
+    if cfg.low_latency_mode_for(num_ranks) == "per_rank":  # the message headers: every source's routing
+        buffers += (_broadcast(_pad_rows(idx, cfg.max_tokens_per_rank, -1), cfg, num_ranks),)
     return buffers, ll_state.after_send(state)
+
+
+def _pad_rows(a, t_max, value):
+    return jnp.pad(a, [(0, t_max - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+
+
+def _broadcast(a, cfg: EPConfig, num_ranks: int):
+    """a [...] on every rank -> [R_src, ...]: every rank's a, by source rank."""
+    return _exchange(jnp.broadcast_to(a[None], (num_ranks,) + a.shape), cfg)
 
 
 def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
@@ -275,11 +286,17 @@ def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: i
 
 
 def _ll_unpack(buffers, cfg, num_ranks, use_fp8) -> LowLatencyDispatchOutput:
+    per_rank = cfg.low_latency_mode_for(num_ranks) == "per_rank"
+    if per_rank:
+        *buffers, src_idx = buffers
     *received, recv_mask = buffers  # already exchanged by ll_dispatch_send
     rows_list, recv_count, handle = [], None, None
     for part in received:
         rows, recv_count, handle = _ll_compact(part, recv_mask, cfg, num_ranks)
         rows_list.append(rows)
+    if per_rank:
+        msg_token, token_rows = _per_rank_tables(src_idx, recv_mask, cfg, num_ranks)
+        handle = handle._replace(msg_token=msg_token, token_rows=token_rows)
     scales = rows_list[1] if use_fp8 else None
     return LowLatencyDispatchOutput(recv_x=rows_list[0], recv_x_scales=scales, recv_count=recv_count, handle=handle)
 
@@ -302,21 +319,86 @@ def _ll_compact(recv, recv_mask, cfg, num_ranks):
 def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
                     cfg: EPConfig, num_ranks: int):
     """-> (buffers: rows back at their sources + the routing, next state)."""
-    back = ll_to_sources(expert_out, handle, cfg, num_ranks)
     idx = sanitize_topk(topk_idx, cfg.num_experts)
+    if cfg.low_latency_mode_for(num_ranks) == "per_rank":
+        return _per_rank_partials(expert_out, idx, topk_weights, handle, cfg, num_ranks), ll_state.after_send(state)
+    back = ll_to_sources(expert_out, handle, cfg, num_ranks)
     return (back, idx, _masked_weights(idx, topk_weights)), ll_state.after_send(state)
 
 
 def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
     """-> (y [T, H] bf16, next state)."""
-    return _ll_weighted_sum(buffers, num_ranks), ll_state.after_recv(state)
+    return _ll_combine_sum(buffers, cfg, num_ranks), ll_state.after_recv(state)
 
 
 def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
                num_ranks: int):
     """Fused combine: send and receive in one op (one state step)."""
     buffers, _ = ll_combine_send(expert_out, topk_idx, topk_weights, handle, state, cfg, num_ranks)
-    return _ll_weighted_sum(buffers, num_ranks), ll_state.after_fused(state)
+    return _ll_combine_sum(buffers, cfg, num_ranks), ll_state.after_fused(state)
+
+
+def _ll_combine_sum(buffers, cfg: EPConfig, num_ranks: int):
+    if cfg.low_latency_mode_for(num_ranks) == "per_rank":
+        return _per_rank_sum(buffers, cfg, num_ranks)
+    return _ll_weighted_sum(buffers, num_ranks)
+
+
+# ---- per_rank mode (EPConfig.low_latency_mode): one message per (token, destination rank) ------------------------
+def _per_rank_tables(src_idx, recv_mask, cfg: EPConfig, num_ranks: int):
+    """The receiver's message tables (handle.msg_token [R, T_max], handle.token_rows [R, T_max, K]).
+
+    src_idx [R_src, T_max, K]: every source's sanitized routing (-1 padded); recv_mask [R_src, L, T_max]: source
+    token t names local expert l. Message j from s = the j-th token of s naming a local expert; its k-th expert's
+    row in recv_x[l] is (rows of l from sources < s) + (tokens of s before t naming l).
+    """
+    num_local, t_max = recv_mask.shape[1], cfg.max_tokens_per_rank
+    me = lax.axis_index(cfg.axis_name)
+    is_local = (src_idx >= 0) & (src_idx // num_local == me)  # [R, T_max, K]
+    local = jnp.where(is_local, src_idx % num_local, 0)
+    counts = jnp.sum(recv_mask, axis=2, dtype=I32)  # [R, L]
+    first_row = jnp.cumsum(counts, axis=0, dtype=I32) - counts  # [R, L]: rows of l from earlier sources
+    position = jnp.cumsum(recv_mask, axis=2, dtype=I32) - 1  # [R, L, T_max]: index among s's tokens naming l
+    s_ix = jnp.arange(num_ranks)[:, None, None]
+    t_ix = jnp.arange(t_max)[None, :, None]
+    row = first_row[s_ix, local] + position[s_ix, local, t_ix]  # [R, T_max, K]
+    by_token = jnp.where(is_local, local * (num_ranks * t_max) + row, -1).astype(I32)
+    routed = jnp.any(is_local, axis=2)  # [R, T_max]
+    order = stable_argsort(~routed, axis=1)  # routed tokens first, in token order
+    valid = jnp.arange(t_max)[None, :] < jnp.sum(routed, axis=1, dtype=I32)[:, None]
+    msg_token = jnp.where(valid, order, -1).astype(I32)
+    token_rows = jnp.where(valid[..., None], jnp.take_along_axis(by_token, order[..., None], axis=1), -1)
+    return msg_token, token_rows.astype(I32)
+
+
+def _per_rank_partials(expert_out, idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+    """Expert side of the per_rank combine: partial[s, t] = bf16(sum over k of t's experts on this rank, in k order,
+    of w[t, k] * f32(row)), sent back to s. -> (partials by owner rank [R, T_max, H] bf16, rank mask [T, R])."""
+    t_max, num_tokens = cfg.max_tokens_per_rank, idx.shape[0]
+    weights = _broadcast(_pad_rows(_masked_weights(idx, topk_weights), t_max, 0.0), cfg, num_ranks)  # [R, T_max, K]
+    flat = expert_out.reshape(-1, expert_out.shape[-1]).astype(jnp.float32)
+    rows = handle.token_rows
+    vals = jnp.where((rows >= 0)[..., None], flat[jnp.maximum(rows, 0)], 0.0)  # [R, T_max, K, H]
+    tok = jnp.maximum(handle.msg_token, 0)
+    w = jnp.where(rows >= 0, jnp.take_along_axis(weights, tok[..., None], axis=1), 0.0)  # [R, T_max, K]
+    partial = jnp.einsum("sjk,sjkh->sjh", w, vals, precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    by_token = jnp.zeros_like(partial).at[jnp.arange(num_ranks)[:, None], jnp.where(
+        handle.msg_token >= 0, handle.msg_token, t_max)].set(partial, mode="drop")
+    back = _exchange(by_token, cfg)  # [R_owner, T_max, H]: owner d's partial for my token t
+    num_local = cfg.num_local_experts(num_ranks)
+    owner = jnp.where(idx >= 0, idx // num_local, -1)
+    rank_mask = jnp.any(owner[:, :, None] == jnp.arange(num_ranks)[None, None, :], axis=1)  # [T, R]
+    return back[:, :num_tokens], rank_mask
+
+
+def _per_rank_sum(buffers, cfg: EPConfig, num_ranks: int):
+    """Source side: y[t] = bf16(sum over ranks d that t names, ascending, of f32(partial from d))."""
+    back, rank_mask = buffers
+    terms = jnp.where(rank_mask.T[..., None], back.astype(jnp.float32), 0.0)  # [R, T, H]
+    y = terms[0]
+    for d in range(1, num_ranks):  # ascending rank order, as the CUDA receive adds them
+        y = y + terms[d]
+    return y.astype(jnp.bfloat16)
 
 
 def _ll_weighted_sum(buffers, num_ranks):

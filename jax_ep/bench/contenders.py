@@ -170,7 +170,7 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
 
     def prepare(x, i):
         ll = jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False)
-        return (ll.recv_x,) + tuple(ll.handle)
+        return ll.recv_x, ll.handle.src_info, ll.handle.layout_range
 
     recv_x, src_info, layout_range = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2,
                                                            out_specs=spec))(x, idx)
