@@ -1,10 +1,11 @@
 // Low-latency mode (SPEC §4): dispatch into per-expert slots and weighted combine, each as a send kernel and a
 // receive kernel (the two halves of the split custom calls; the fused op runs both back to back).
 //
-//   dispatch send   one block per expert e: finds the tokens naming e (in token order), writes one message per token
-//                   into e's owner at slot [l][me][position] (bf16, or fp8 quantized here per 128 channels), then
-//                   publishes the count and the (l, me) flag. No count exchange, no barrier: positions are known
-//                   locally, so the send never waits for a peer (except the rare "peer still reads op n-2" check).
+//   dispatch send   one block per token t: finds its distinct experts and its position among the tokens naming each
+//                   (token order), reads the row once (fp8: quantized once, per 128 channels) and writes one message
+//                   per expert into the owner at slot [l][me][position]; the last block publishes every expert's
+//                   count and (l, me) flag. No count exchange, no barrier: positions are known locally, so the send
+//                   never waits for a peer (except the rare "peer still reads op n-2" check).
 //   dispatch recv   blocks (l, part): wait for the R flags of expert l, pack rows in (source, token) order into the
 //                   XLA outputs, then the last block tells every peer "I consumed epoch n".
 //   combine send    blocks (l, part): every valid row of expert l back to its source rank, slot [global e][token];
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "common/copy.cuh"
 #include "common/preload.cuh"
@@ -38,13 +40,14 @@
 namespace jax_ep::ll {
 namespace {
 
-constexpr int kSendThreads = 512;      // dispatch send: 16 warps per expert
+constexpr int kSendThreads = 512;      // dispatch send: 16 warps per token
 constexpr int kThreads = 512;          // dispatch recv, combine send
 constexpr int kCombineRecvThreads = 256;
 constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
 constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
 constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
-constexpr uint32_t kE4m3NaN = 0x7Fu;   // the e4m3fn NaN code a non-finite channel becomes (jax_ep/fp8.py)
+constexpr uint32_t kE4m3NaN = 0x7Fu;
+constexpr int kMaxSendSharedBytes = 48 * 1024;  // dynamic shared memory without an opt-in: fp8 H <= 47662   // the e4m3fn NaN code a non-finite channel becomes (jax_ep/fp8.py)
 
 __device__ __forceinline__ bool is_finite(float f) { return fabsf(f) < __int_as_float(0x7f800000); }  // NaN: false
 
@@ -134,74 +137,157 @@ __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
+// Dispatch send, token-major: block b takes tokens b, b + grid, ... For each token it finds its distinct valid
+// experts (slot k: the first k naming e), their positions (tokens before it naming e: the order the receiver packs),
+// reads the row ONCE (fp8: quantizes it once into shared memory) and writes one message per expert into the owner's
+// slot [l][me][position]. Per-expert counts are summed in this rank's LL scratch words (atomics); the last block
+// to finish publishes every expert's count and flag (its threads in parallel) and resets the counters.
+// NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
+// blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
+
+// Distinct valid experts of token t (s_expert[k] = e, or -1 for an invalid or repeated id) and their positions
+// (s_pos[k] = tokens t' < t naming s_expert[k]). All threads; ends with __syncthreads.
+__device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int K, int E, int32_t* s_expert,
+                                           int32_t* s_pos, int32_t (*s_part)[kMaxTopk]) {
+  const int tid = threadIdx.x, lane = lane_id(), warp = warp_id();
+  const int32_t* ids = topk_idx + static_cast<int64_t>(t) * K;
+  if (tid < K) {
+    const int32_t e = __ldg(ids + tid);
+    bool ok = routing::valid_expert(e, E);
+    for (int j = 0; j < tid; ++j) ok &= (__ldg(ids + j) != e);  // a repeated expert gets one message (first k)
+    s_expert[tid] = ok ? e : -1;
+  }
+  __syncthreads();
+  int32_t mine[kMaxTopk];
+  int32_t cnt[kMaxTopk];
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) {
+    mine[k] = k < K ? s_expert[k] : -1;
+    cnt[k] = 0;
+  }
+  for (int tp = tid; tp < t; tp += blockDim.x) {  // earlier tokens, one per thread
+    const int32_t* other = topk_idx + static_cast<int64_t>(tp) * K;
+    int32_t o[kMaxTopk];
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j) o[j] = j < K ? __ldg(other + j) : -2;
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      bool hit = false;
+#pragma unroll
+      for (int j = 0; j < kMaxTopk; ++j) hit |= (o[j] == mine[k]);
+      cnt[k] += (mine[k] >= 0 && hit) ? 1 : 0;  // once per earlier token, however often it repeats e
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) cnt[k] += __shfl_xor_sync(0xffffffffu, cnt[k], o);
+    if (lane == 0) s_part[warp][k] = cnt[k];
+  }
+  __syncthreads();
+  if (tid < K) {
+    int32_t pos = 0;
+    for (int w = 0; w < num_warps(); ++w) pos += s_part[w][tid];
+    s_pos[tid] = pos;
+  }
+  __syncthreads();
+}
+
+// One warp copies `bytes` (a multiple of 4, at most kSegBytes) from shared memory to a peer: 16-byte vectors, then
+// 4-byte words for the tail (an fp8 message's scales are H/32 bytes: not always a multiple of 16).
+__device__ __forceinline__ void copy_segment_from_shared(char* dst, const char* src, int bytes) {
+  const int n16 = bytes / 16;
+  for (int j = lane_id(); j < n16; j += 32)
+    st_v4(reinterpret_cast<int4*>(dst) + j, reinterpret_cast<const int4*>(src)[j]);
+  for (int j = n16 * 4 + lane_id(); j < bytes / 4; j += 32)
+    reinterpret_cast<int32_t*>(dst)[j] = reinterpret_cast<const int32_t*>(src)[j];
+}
+
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
   const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
   const int64_t half = half_offset(c.ll, epoch);
-  const int nseg = (H + kSegChannels - 1) / kSegChannels;
-  __shared__ int32_t s_warp_count[kSendThreads / 32];
-  __shared__ int32_t s_tokens[kSendThreads];
+  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch);  // [E], zero between kernels
+  __shared__ int32_t s_expert[kMaxTopk];
+  __shared__ int32_t s_pos[kMaxTopk];
+  __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
+  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);  // token_slots' first __syncthreads orders the rest
+  const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;  // fp8: q then the S scales
+  const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
+  const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    token_slots(p.topk_idx, t, K, E, s_expert, s_pos, s_part);
+    if (threadIdx.x < K && s_expert[threadIdx.x] >= 0) atomicAdd(counts + s_expert[threadIdx.x], 1u);
+    const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
+    if (p.use_fp8) {  // quantize once into shared memory: [H fp8 | S f32], the message payload as it goes out
+      for (int seg = warp; seg < nseg_in; seg += nw)
+        quantize_segment(s_row, row, H, seg * kSegChannels, min(H, (seg + 1) * kSegChannels), s_scales[warp]);
+      __syncthreads();
+    }
+    for (int item = warp; item < K * nseg_out; item += nw) {
+      const int k = item / nseg_out, seg = item % nseg_out;
+      const int e = s_expert[k];
+      if (e < 0) continue;
+      const int d = e / L, l = e % L;
+      char* msg = peer_base(g, d) + half + c.ll.rows +
+                  (static_cast<int64_t>(l * R + me) * c.max_tokens + s_pos[k]) * c.ll.msg_stride;
+      const int off = seg * kSegBytes, bytes = min(kSegBytes, payload_bytes - off);
+      if (p.use_fp8)
+        copy_segment_from_shared(msg + kLowLatencyMsgHeader + off, s_row + off, bytes);
+      else
+        copy_segment_nc(msg + kLowLatencyMsgHeader + off, reinterpret_cast<const char*>(row) + off, bytes);
+      if (seg == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);  // one 16-byte header
+    }
+    __syncthreads();  // s_expert / s_pos / s_row are reused by the next token
+  }
+}
 
-  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+// The last block of a working send: every expert's count and flag to its owner (threads in parallel), counters
+// reset. NOTE (ordering): every block fenced its peer stores (__threadfence_system) before counting itself done;
+// the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags.
+__device__ __forceinline__ void publish_expert_counts(const DispatchSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local;
+  const int64_t half = half_offset(c.ll, epoch);
+  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch);
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
     const int d = e / L, l = e % L;
     char* dst_half = peer_base(g, d) + half;
-    char* msgs = dst_half + c.ll.rows + static_cast<int64_t>(l * R + me) * c.max_tokens * c.ll.msg_stride;
-    if (threadIdx.x == 0) wait_consumed(g, d, epoch);  // the chunk loop's first __syncthreads orders the rest
-    int32_t sent = 0;
-    for (int t0 = 0; t0 < T; t0 += blockDim.x) {
-      const int t = t0 + threadIdx.x;
-      bool chosen = false;
-      if (t < T) {
-        const int32_t* ids = p.topk_idx + static_cast<int64_t>(t) * K;
-        for (int k = 0; k < K; ++k) chosen |= (__ldg(ids + k) == e);  // a repeated expert still sends one copy
-      }
-      const uint32_t ballot = __ballot_sync(0xffffffffu, chosen);
-      if (lane == 0) s_warp_count[warp] = __popc(ballot);
-      __syncthreads();
-      int before = 0, chunk = 0;
-      for (int w = 0; w < nw; ++w) {
-        const int n = s_warp_count[w];
-        before += w < warp ? n : 0;
-        chunk += n;
-      }
-      if (chosen) s_tokens[before + __popc(ballot & ((1u << lane) - 1u))] = t;
-      __syncthreads();
-      for (int item = warp; item < chunk * nseg; item += nw) {
-        const int j = item / nseg, seg = item % nseg;
-        const int tok = s_tokens[j];
-        char* msg = msgs + static_cast<int64_t>(sent + j) * c.ll.msg_stride;
-        const int ch0 = seg * kSegChannels, ch1 = min(H, ch0 + kSegChannels);
-        const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(tok) * H;
-        if (p.use_fp8) {
-          quantize_segment(msg + kLowLatencyMsgHeader, row, H, ch0, ch1, s_scales[warp]);
-        } else {
-          copy_segment_nc(msg + kLowLatencyMsgHeader + 2 * ch0, reinterpret_cast<const char*>(row + ch0),
-                          2 * (ch1 - ch0));
-        }
-        if (seg == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(tok, 0, 0, 0);  // one 16-byte header
-      }
-      sent += chunk;
-      __syncthreads();  // s_tokens / s_warp_count are reused; all message stores of the chunk are issued
-    }
-    if (threadIdx.x == 0) {
-      *reinterpret_cast<volatile int32_t*>(dst_half + c.ll.d_counts + 4 * (l * R + me)) = sent;
-      __threadfence_system();
-      st_release_sys(header_word(dst_half, c.ll.d_flags + 4 * (l * R + me)), epoch);
-    }
+    const int32_t n = static_cast<int32_t>(atomicExch(counts + e, 0u));
+    *reinterpret_cast<volatile int32_t*>(dst_half + c.ll.d_counts + 4 * (l * R + me)) = n;
+    __threadfence_system();
+    st_release_sys(header_word(dst_half, c.ll.d_flags + 4 * (l * R + me)), epoch);
   }
 }
 
 __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const DispatchSendParams p) {
+  extern __shared__ __align__(16) char s_row[];  // fp8: one quantized message payload (H + 4 * H/128 bytes)
   __shared__ Gate s_gate;
+  __shared__ int32_t s_last;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, p.num_tokens,
               p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
   __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
-  finish_send(p.c.g, p.io, s_gate);
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, s_row);  // block-uniform
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's peer stores and count atomics before it is counted
+    uint32_t* done = ll_word(p.c.g, SignalHeader::kLlSendDone);
+    s_last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+    if (s_last) {
+      atomicExch(done, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!s_last) return;
+  if (s_gate.work) publish_expert_counts(p, s_gate.epoch);
+  __syncthreads();
+  if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -390,10 +476,20 @@ Status preload_kernels() {
                   reinterpret_cast<const void*>(ll_combine_recv_kernel)});
 }
 
+// Shared memory of the send kernel: an fp8 message payload (bf16 rows are copied from global memory directly).
+int send_shared_bytes(const DispatchSendParams& p) {
+  return p.use_fp8 ? static_cast<int>(align_up(p.c.hidden + 4 * (p.c.hidden / kFp8Block), 16)) : 0;
+}
+
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
-  const int grid = std::max(1, std::min(p.c.num_experts, 4 * sms));
-  ll_dispatch_send_kernel<<<grid, kSendThreads, 0, stream>>>(p);
+  const int grid = std::max(1, std::min(p.num_tokens, 2 * sms));  // one block per token (T = 0: one block)
+  const int smem = send_shared_bytes(p);
+  if (smem > kMaxSendSharedBytes)
+    return Status::Error("low-latency dispatch send: hidden=" + std::to_string(p.c.hidden) +
+                         " needs " + std::to_string(smem) + " bytes of shared memory for one fp8 row (at most " +
+                         std::to_string(kMaxSendSharedBytes) + ")");
+  ll_dispatch_send_kernel<<<grid, kSendThreads, smem, stream>>>(p);
   return launched("low-latency dispatch send");
 }
 

@@ -117,14 +117,17 @@ __device__ __forceinline__ void write_state(const ChainIO& io, const Gate& gate)
 }
 
 // End of every send kernel (all threads of all blocks): the last block advances this rank's epoch counter and
-// in_flight_device (working op) and writes the output state.
-__device__ __forceinline__ void finish_send(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
-  if (!last_block_done(ll_word(g, SignalHeader::kLlSendDone))) return;
+// in_flight_device (working op) and writes the output state (finish_send_last: thread 0 of the last block).
+__device__ __forceinline__ void finish_send_last(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
   if (gate.work) {
     *reinterpret_cast<volatile uint32_t*>(ll_word(g, SignalHeader::kLlEpoch)) = gate.epoch;
     atomicAdd(ll_word(g, SignalHeader::kLlInFlight), 1u);
   }
   write_state(io, gate);
+}
+
+__device__ __forceinline__ void finish_send(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (last_block_done(ll_word(g, SignalHeader::kLlSendDone))) finish_send_last(g, io, gate);
 }
 
 // End of every receive kernel: once all blocks have read their part of the half, tell every rank (this one too)
