@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from . import backends, runtime
 from ._guarded import GuardedReference
 from .config import LOW_LATENCY_AUTO_MAX_TOKENS, EPConfig
@@ -30,17 +28,5 @@ def backend_for(cfg: EPConfig, op: str, low_latency: bool = False):
                       f"{cfg.low_latency_buffers}, max_tokens_per_rank={cfg.max_tokens_per_rank}; None turns them "
                       f"off above {LOW_LATENCY_AUTO_MAX_TOKENS}); pass low_latency_buffers=True to run the "
                       f"low-latency ops on the CUDA backend")
-    if low_latency and cfg.low_latency_mode != "per_expert":
-        num_ranks = jax.sharding.get_abstract_mesh().shape.get(cfg.axis_name)
-        if num_ranks is not None and cfg.low_latency_mode_for(num_ranks) == "per_rank":
-            if cfg.backend == "auto":
-                runtime.lifecycle.log_once(
-                    ("per-rank-reference", cfg), "jax_ep: %s uses low_latency_mode 'per_rank', which has no CUDA "
-                    "kernels yet; low-latency ops use the reference backend", cfg)
-                return backends.reference
-            raise EPError(f"jax_ep.{op}: EPConfig.low_latency_mode={cfg.low_latency_mode!r} resolves to 'per_rank' "
-                          f"on {num_ranks} ranks, which has no CUDA kernels yet (backend='cuda'); use "
-                          f"low_latency_mode='per_expert', or backend='reference' / 'auto' to run it with XLA "
-                          f"collectives")
     runtime.runtime_for_trace(cfg, op)
     return backends.load_cuda()

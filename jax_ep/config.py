@@ -67,8 +67,8 @@ class EPConfig:
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
         only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
-        uniform routing (low_latency_mode_for). Default "per_expert": per_rank has no CUDA kernels yet (the
-        reference backend runs it; backend="cuda" raises, backend="auto" falls back to the reference backend).
+        uniform routing (low_latency_mode_for). Default "per_expert" (DeepEP's layout, validated across GPUs);
+        per_rank's CUDA kernels have run on one GPU only so far (docs/BENCHMARKS.md).
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
 LAYOUT = "jax_ep_layout_v1"
 STATEFUL_TARGETS = {
     "jax_ep_dispatch_v2", "jax_ep_cached_dispatch_v2", "jax_ep_combine_v2",
-    "jax_ep_ll_dispatch_v2", "jax_ep_ll_dispatch_send_v2", "jax_ep_ll_dispatch_recv_v2",
-    "jax_ep_ll_combine_v2", "jax_ep_ll_combine_send_v2", "jax_ep_ll_combine_recv_v2",
+    "jax_ep_ll_dispatch_v3", "jax_ep_ll_dispatch_send_v3", "jax_ep_ll_dispatch_recv_v3",
+    "jax_ep_ll_combine_v3", "jax_ep_ll_combine_send_v3", "jax_ep_ll_combine_recv_v3",
 }
 
 
@@ -81,9 +81,11 @@ def test_state_types_are_registrable_pairs():
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
 #   total = 1280 + 5120 + 1024 = 7424
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
-#   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; flags: c_flags 0, d_flags 256, d_counts 512, rows at 768
-#   one half = align256(max(768 + E*T_max*288 = 9984, 768 + E*T_max*256 = 8960)) = 9984 (= 39 * 256)
-#   total = 4096 (scratch) + 2 * 9984 = 24064
+#   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(80 + 260) = 352
+#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 8)), rows at 1024
+#   rows end = max(1024 + E*T_max*288 = 10240, 1024 + E*T_max*256 = 9216, 1024 + R*T_max*352 = 3840) = 10240
+#   weights at 10240: R*T_max*16 f32 = 512 bytes -> one half = align256(10752) = 10752
+#   total = 4096 (scratch) + 2 * 10752 = 25600
 SMALL_NORMAL = dict(hidden=128, num_topk=2, max_tokens_per_rank=4, num_ranks=2, capacity=10, num_experts=8)
 SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
 
@@ -100,10 +102,11 @@ def test_normal_buffer_bytes_by_hand():
 
 
 def test_low_latency_buffer_bytes_by_hand():
-    assert native.low_latency_buffer_bytes(**SMALL_LL) == 24064
-    # H=7168 T_max=128 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840;
-    # half = align256(3840 + 288*128*14576 = 537333504) = 537333504 (> the combine rows' 3840 + 288*128*14336)
-    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == 4096 + 2 * 537333504
+    assert native.low_latency_buffer_bytes(**SMALL_LL) == 25600
+    # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,
+    # rank words 256; rows end = 4096 + 288*128*14576 = 537333760 (> the combine rows' and the per_rank messages');
+    # weights 4*128*16*4 = 32768 -> half = 537366528
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == 4096 + 2 * 537366528
 
 
 def test_staging_plan_by_hand():
@@ -115,7 +118,7 @@ def test_staging_plan_by_hand():
     assert native.staging_plan([1000], [5120]) == (1024 + 5120, 1024, 5120)
     assert native.staging_plan([1300], []) == (1536, 1536, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
-    assert plan == (7424 + 24064, 7424, 24064)
+    assert plan == (7424 + 25600, 7424, 25600)
 
 
 def test_staging_rejects_bad_arguments():

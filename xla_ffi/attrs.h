@@ -32,6 +32,7 @@ struct LowLatencyAttrs {
   int32_t max_tokens_per_rank;  // T_max
   int64_t timeout_ns;           // device waits trap after this long
   int32_t use_fp8;              // dispatch: fp8 (1) or bf16 (0) payload; combine targets: ignored (Python passes 0)
+  int32_t per_rank;             // 1: per_rank mode (one message per token and destination rank), 0: per_expert
 };
 
 }  // namespace jax_ep
@@ -46,4 +47,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::LowLatencyAttrs, StructMember<std:
                                       StructMember<int32_t>("num_experts"), StructMember<int32_t>("hidden"),
                                       StructMember<int32_t>("num_topk"),
                                       StructMember<int32_t>("max_tokens_per_rank"),
-                                      StructMember<int64_t>("timeout_ns"), StructMember<int32_t>("use_fp8"));
+                                      StructMember<int64_t>("timeout_ns"), StructMember<int32_t>("use_fp8"),
+                                      StructMember<int32_t>("per_rank"));

@@ -2,16 +2,21 @@
 // Every target takes the chain state [4] s32 as its LAST operand and returns the next state as its LAST result
 // (Python aliases the two); the kernels read and write it on the device (protocol: cuda/include/jax_ep/ll_params.h).
 //
-//   jax_ep_ll_dispatch_v2        x [T, H] bf16, topk_idx [T, K] s32, state
+//   jax_ep_ll_dispatch_v3        x [T, H] bf16, topk_idx [T, K] s32, state
 //                                  -> recv_x [L, R*T_max, H] (f8e4m3fn | bf16), recv_x_scales [L, R*T_max, S] f32
 //                                     (S = H/128 with use_fp8, else 0), recv_count [L], src_info [L, R*T_max],
-//                                     layout_range [L, R] (s32), state
-//   jax_ep_ll_dispatch_send_v2   x, topk_idx, state -> token [4] s32, state
-//   jax_ep_ll_dispatch_recv_v2   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range, state
-//   jax_ep_ll_combine_v2         expert_out [L, R*T_max, H] bf16, src_info, layout_range, topk_idx [T, K] s32,
-//                                topk_weights [T, K] f32, state -> y [T, H] bf16, state
-//   jax_ep_ll_combine_send_v2    expert_out, src_info, layout_range, state -> token, state
-//   jax_ep_ll_combine_recv_v2    token, topk_idx, topk_weights, state -> y, state
+//                                     layout_range [L, R], msg_token [R, M], token_rows [R, M, K] (s32; M = T_max
+//                                     in per_rank mode, else 0), state
+//   jax_ep_ll_dispatch_send_v3   x, topk_idx, state -> token [4] s32, state
+//   jax_ep_ll_dispatch_recv_v3   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range,
+//                                msg_token, token_rows, state
+//   jax_ep_ll_combine_v3         expert_out [L, R*T_max, H] bf16, src_info, layout_range, msg_token, token_rows,
+//                                topk_idx [T, K] s32, topk_weights [T, K] f32, state -> y [T, H] bf16, state
+//   jax_ep_ll_combine_send_v3    expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state
+//                                -> token, state
+//   jax_ep_ll_combine_recv_v3    token, topk_idx, topk_weights, state -> y, state
+// msg_token / token_rows (the handle's per_rank tables) are read only in per_rank mode (LowLatencyAttrs.per_rank);
+// in per_expert mode they are empty.
 // The fused targets launch the send kernel and the receive kernel back to back (one handler); the split targets one
 // kernel each. Attributes: LowLatencyAttrs (attrs.h). The LL region of the staging comes from the axis binding.
 #include <cuda_runtime_api.h>
@@ -84,12 +89,22 @@ ffi::Error FillDispatchSend(const char* target, const OpState& st, const ll::Ctx
   p->num_tokens = static_cast<int32_t>(T);
   p->num_topk = a.num_topk;
   p->use_fp8 = a.use_fp8;
+  p->per_rank = a.per_rank;
+  return ffi::Error::Success();
+}
+
+// The handle's per_rank tables: [R, T_max] and [R, T_max, K] in per_rank mode, empty ([R, 0], [R, 0, K]) else.
+ffi::Error CheckTables(const char* target, const OpState& st, const ll::Ctx& c, const S32Mat& msg_token,
+                       const S32Cube& token_rows) {
+  const int64_t R = c.g.num_ranks, M = st.config().per_rank ? c.max_tokens : 0;
+  JAX_EP_CHECK_SHAPE(target, "msg_token", msg_token, R, M);
+  JAX_EP_CHECK_SHAPE(target, "token_rows", token_rows, R, M, st.config().num_topk);
   return ffi::Error::Success();
 }
 
 ffi::Error FillDispatchRecv(const char* target, const OpState& st, const ll::Ctx& c, AnyBuf& recv_x,
                             F32Cube& recv_x_scales, S32Vec& recv_count, S32Mat& src_info, S32Mat& layout_range,
-                            ll::DispatchRecvParams* p) {
+                            S32Mat& msg_token, S32Cube& token_rows, ll::DispatchRecvParams* p) {
   const OpConfig& a = st.config();
   const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * c.max_tokens, H = c.hidden;
   const int64_t S = a.use_fp8 ? H / kFp8Block : 0;
@@ -106,12 +121,19 @@ ffi::Error FillDispatchRecv(const char* target, const OpState& st, const ll::Ctx
   p->recv_count = recv_count.typed_data();
   p->src_info = src_info.typed_data();
   p->layout_range = layout_range.typed_data();
+  if (auto e = CheckTables(target, st, c, msg_token, token_rows); !e.success()) return e;
+  p->msg_token = a.per_rank ? msg_token.typed_data() : nullptr;
+  p->token_rows = a.per_rank ? token_rows.typed_data() : nullptr;
+  p->num_topk = a.num_topk;
   p->use_fp8 = a.use_fp8;
+  p->per_rank = a.per_rank;
   return ffi::Error::Success();
 }
 
-ffi::Error FillCombineSend(const char* target, const ll::Ctx& c, const AnyBuf& expert_out, const S32Mat& src_info,
-                           const S32Mat& layout_range, ll::CombineSendParams* p) {
+ffi::Error FillCombineSend(const char* target, const OpState& st, const ll::Ctx& c, const AnyBuf& expert_out,
+                           const S32Mat& src_info, const S32Mat& layout_range, const S32Mat& msg_token,
+                           const S32Cube& token_rows, const F32Mat& topk_weights, ll::CombineSendParams* p) {
+  const OpConfig& a = st.config();
   const int64_t L = c.num_local, R = c.g.num_ranks, rows = R * c.max_tokens;
   JAX_EP_CHECK(target, expert_out.element_type() == ffi::DataType::BF16, "expert_out must be bfloat16");
   JAX_EP_CHECK_SHAPE(target, "expert_out", expert_out, L, rows, c.hidden);
@@ -121,6 +143,17 @@ ffi::Error FillCombineSend(const char* target, const ll::Ctx& c, const AnyBuf& e
   p->expert_out = expert_out.untyped_data();
   p->src_info = src_info.typed_data();
   p->layout_range = layout_range.typed_data();
+  if (auto e = CheckTables(target, st, c, msg_token, token_rows); !e.success()) return e;
+  const int64_t T = topk_weights.dimensions()[0];
+  JAX_EP_CHECK(target, T <= a.max_tokens_per_rank,
+               "T=" + std::to_string(T) + " exceeds max_tokens_per_rank=" + std::to_string(a.max_tokens_per_rank));
+  JAX_EP_CHECK_SHAPE(target, "topk_weights", topk_weights, T, a.num_topk);
+  p->msg_token = a.per_rank ? msg_token.typed_data() : nullptr;
+  p->token_rows = a.per_rank ? token_rows.typed_data() : nullptr;
+  p->topk_weights = topk_weights.typed_data();
+  p->num_tokens = static_cast<int32_t>(T);
+  p->num_topk = a.num_topk;
+  p->per_rank = a.per_rank;
   return ffi::Error::Success();
 }
 
@@ -140,17 +173,19 @@ ffi::Error FillCombineRecv(const char* target, const OpState& st, const ll::Ctx&
   p->y = y.untyped_data();
   p->num_tokens = static_cast<int32_t>(T);
   p->num_topk = a.num_topk;
+  p->per_rank = a.per_rank;
   return ffi::Error::Success();
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------------------------
-constexpr const char* kDispatch = "jax_ep_ll_dispatch_v2";
-constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v2";
-constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v2";
+constexpr const char* kDispatch = "jax_ep_ll_dispatch_v3";
+constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v3";
+constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v3";
 
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, S32Mat topk_idx, S32Vec state,
                     ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales, ffi::Result<S32Vec> recv_count,
-                    ffi::Result<S32Mat> src_info, ffi::Result<S32Mat> layout_range, ffi::Result<S32Vec> state_out) {
+                    ffi::Result<S32Mat> src_info, ffi::Result<S32Mat> layout_range, ffi::Result<S32Mat> msg_token,
+                    ffi::Result<S32Cube> token_rows, ffi::Result<S32Vec> state_out) {
   return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
     if (auto e = CheckWords(kDispatch, "state", state); !e.success()) return e;
     if (auto e = CheckWords(kDispatch, "state (result)", *state_out); !e.success()) return e;
@@ -158,7 +193,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     ll::DispatchRecvParams r{};
     if (auto e = FillDispatchSend(kDispatch, *st, c, x, topk_idx, &s); !e.success()) return e;
     if (auto e = FillDispatchRecv(kDispatch, *st, c, *recv_x, *recv_x_scales, *recv_count, *src_info,
-                                  *layout_range, &r);
+                                  *layout_range, *msg_token, *token_rows, &r);
         !e.success())
       return e;
     s.fused = true;
@@ -185,14 +220,15 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBu
 ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Vec token, S32Vec state,
                         ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales,
                         ffi::Result<S32Vec> recv_count, ffi::Result<S32Mat> src_info,
-                        ffi::Result<S32Mat> layout_range, ffi::Result<S32Vec> state_out) {
+                        ffi::Result<S32Mat> layout_range, ffi::Result<S32Mat> msg_token,
+                        ffi::Result<S32Cube> token_rows, ffi::Result<S32Vec> state_out) {
   return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
     if (auto e = CheckWords(kDispatchRecv, "token", token); !e.success()) return e;
     if (auto e = CheckWords(kDispatchRecv, "state", state); !e.success()) return e;
     if (auto e = CheckWords(kDispatchRecv, "state (result)", *state_out); !e.success()) return e;
     ll::DispatchRecvParams r{};
     if (auto e = FillDispatchRecv(kDispatchRecv, *st, c, *recv_x, *recv_x_scales, *recv_count, *src_info,
-                                  *layout_range, &r);
+                                  *layout_range, *msg_token, *token_rows, &r);
         !e.success())
       return e;
     r.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token.typed_data()};
@@ -201,19 +237,22 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Ve
 }
 
 // ---- combine ------------------------------------------------------------------------------------------------------
-constexpr const char* kCombine = "jax_ep_ll_combine_v2";
-constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v2";
-constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v2";
+constexpr const char* kCombine = "jax_ep_ll_combine_v3";
+constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v3";
+constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v3";
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
-                   S32Mat layout_range, S32Mat topk_idx, F32Mat topk_weights, S32Vec state, ffi::Result<AnyBuf> y,
-                   ffi::Result<S32Vec> state_out) {
+                   S32Mat layout_range, S32Mat msg_token, S32Cube token_rows, S32Mat topk_idx, F32Mat topk_weights,
+                   S32Vec state, ffi::Result<AnyBuf> y, ffi::Result<S32Vec> state_out) {
   return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
     if (auto e = CheckWords(kCombine, "state", state); !e.success()) return e;
     if (auto e = CheckWords(kCombine, "state (result)", *state_out); !e.success()) return e;
     ll::CombineSendParams s{};
     ll::CombineRecvParams r{};
-    if (auto e = FillCombineSend(kCombine, c, expert_out, src_info, layout_range, &s); !e.success()) return e;
+    if (auto e = FillCombineSend(kCombine, *st, c, expert_out, src_info, layout_range, msg_token, token_rows,
+                                 topk_weights, &s);
+        !e.success())
+      return e;
     if (auto e = FillCombineRecv(kCombine, *st, c, topk_idx, topk_weights, *y, &r); !e.success()) return e;
     s.fused = true;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), fused_token(c)};
@@ -223,14 +262,17 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf exp
 }
 
 ffi::Error CombineSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
-                       S32Mat layout_range, S32Vec state, ffi::Result<S32Vec> token,
-                       ffi::Result<S32Vec> state_out) {
+                       S32Mat layout_range, S32Mat msg_token, S32Cube token_rows, F32Mat topk_weights,
+                       S32Vec state, ffi::Result<S32Vec> token, ffi::Result<S32Vec> state_out) {
   return WithContext(st, ordinal, [&](const ll::Ctx& c) -> ffi::Error {
     if (auto e = CheckWords(kCombineSend, "state", state); !e.success()) return e;
     if (auto e = CheckWords(kCombineSend, "state (result)", *state_out); !e.success()) return e;
     if (auto e = CheckWords(kCombineSend, "token", *token); !e.success()) return e;
     ll::CombineSendParams s{};
-    if (auto e = FillCombineSend(kCombineSend, c, expert_out, src_info, layout_range, &s); !e.success()) return e;
+    if (auto e = FillCombineSend(kCombineSend, *st, c, expert_out, src_info, layout_range, msg_token, token_rows,
+                                 topk_weights, &s);
+        !e.success())
+      return e;
     s.fused = false;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token->typed_data()};
     return LaunchOn(kCombineSend, ordinal, [&] { return ll::launch_combine_send(s, stream); });
@@ -268,12 +310,12 @@ using namespace jax_ep::ffi_types;  // NOLINT
 #define JAX_EP_LL_INSTANTIATE(symbol, fn) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, ffi::Ffi::BindInstantiate().Attrs<jax_ep::LowLatencyAttrs>())
 
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchInstantiateV2, jax_ep::InstantiateDispatch);
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchSendInstantiateV2, jax_ep::InstantiateDispatchSend);
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchRecvInstantiateV2, jax_ep::InstantiateDispatchRecv);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineInstantiateV2, jax_ep::InstantiateCombine);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineSendInstantiateV2, jax_ep::InstantiateCombineSend);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV2, jax_ep::InstantiateCombineRecv);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchInstantiateV3, jax_ep::InstantiateDispatch);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchSendInstantiateV3, jax_ep::InstantiateDispatchSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchRecvInstantiateV3, jax_ep::InstantiateDispatchRecv);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineInstantiateV3, jax_ep::InstantiateCombine);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineSendInstantiateV3, jax_ep::InstantiateCombineSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV3, jax_ep::InstantiateCombineRecv);
 
 // Execute stage: the attributes are in the state, the binding takes none.
 #define JAX_EP_LL_EXECUTE_CTX                                                                         \
@@ -282,7 +324,7 @@ JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV2, jax_ep::InstantiateCombin
       .Ctx<ffi::DeviceOrdinal>()                /* resolves the group and the rank */                 \
       .Ctx<ffi::State<jax_ep::OpState>>()       /* the call site: config + per-device cache */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV2, jax_ep::Dispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV3, jax_ep::Dispatch,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // x [T, H] bf16
                                   .Arg<S32Mat>()   // topk_idx [T, K]
@@ -292,10 +334,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV2, jax_ep::Dispatch,
                                   .Ret<S32Vec>()   // recv_count [L]
                                   .Ret<S32Mat>()   // src_info [L, R*T_max]
                                   .Ret<S32Mat>()   // layout_range [L, R]
+                                  .Ret<S32Mat>()   // msg_token [R, T_max | 0]
+                                  .Ret<S32Cube>()  // token_rows [R, T_max | 0, K]
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV2, jax_ep::DispatchSend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV3, jax_ep::DispatchSend,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // x [T, H] bf16
                                   .Arg<S32Mat>()   // topk_idx [T, K]
@@ -304,7 +348,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV2, jax_ep::DispatchSend,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV2, jax_ep::DispatchRecv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV3, jax_ep::DispatchRecv,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<S32Vec>()   // token [4] (from the send)
                                   .Arg<S32Vec>()   // state [4]
@@ -313,14 +357,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV2, jax_ep::DispatchRecv,
                                   .Ret<S32Vec>()   // recv_count [L]
                                   .Ret<S32Mat>()   // src_info [L, R*T_max]
                                   .Ret<S32Mat>()   // layout_range [L, R]
+                                  .Ret<S32Mat>()   // msg_token [R, T_max | 0]
+                                  .Ret<S32Cube>()  // token_rows [R, T_max | 0, K]
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV2, jax_ep::Combine,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV3, jax_ep::Combine,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
                                   .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
                                   .Arg<S32Mat>()   // layout_range [L, R] (handle)
+                                  .Arg<S32Mat>()   // msg_token [R, T_max | 0] (handle, per_rank)
+                                  .Arg<S32Cube>()  // token_rows [R, T_max | 0, K] (handle, per_rank)
                                   .Arg<S32Mat>()   // topk_idx [T, K]
                                   .Arg<F32Mat>()   // topk_weights [T, K]
                                   .Arg<S32Vec>()   // state [4]
@@ -328,17 +376,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV2, jax_ep::Combine,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV2, jax_ep::CombineSend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV3, jax_ep::CombineSend,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
                                   .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
                                   .Arg<S32Mat>()   // layout_range [L, R] (handle)
+                                  .Arg<S32Mat>()   // msg_token [R, T_max | 0] (handle, per_rank)
+                                  .Arg<S32Cube>()  // token_rows [R, T_max | 0, K] (handle, per_rank)
+                                  .Arg<F32Mat>()   // topk_weights [T, K] (per_rank: pushed to the expert ranks)
                                   .Arg<S32Vec>()   // state [4]
                                   .Ret<S32Vec>()   // token [4]
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV2, jax_ep::CombineRecv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV3, jax_ep::CombineRecv,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<S32Vec>()   // token [4] (from the send)
                                   .Arg<S32Mat>()   // topk_idx [T, K]

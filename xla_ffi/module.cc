@@ -50,12 +50,12 @@ const std::vector<Target>& Targets() {
       {"jax_ep_dispatch_v2", "CUDA", JaxEpDispatchInstantiateV2, JaxEpDispatchCudaV2},
       {"jax_ep_cached_dispatch_v2", "CUDA", JaxEpCachedDispatchInstantiateV2, JaxEpCachedDispatchCudaV2},
       {"jax_ep_combine_v2", "CUDA", JaxEpCombineInstantiateV2, JaxEpCombineCudaV2},
-      {"jax_ep_ll_dispatch_v2", "CUDA", JaxEpLlDispatchInstantiateV2, JaxEpLlDispatchCudaV2},
-      {"jax_ep_ll_dispatch_send_v2", "CUDA", JaxEpLlDispatchSendInstantiateV2, JaxEpLlDispatchSendCudaV2},
-      {"jax_ep_ll_dispatch_recv_v2", "CUDA", JaxEpLlDispatchRecvInstantiateV2, JaxEpLlDispatchRecvCudaV2},
-      {"jax_ep_ll_combine_v2", "CUDA", JaxEpLlCombineInstantiateV2, JaxEpLlCombineCudaV2},
-      {"jax_ep_ll_combine_send_v2", "CUDA", JaxEpLlCombineSendInstantiateV2, JaxEpLlCombineSendCudaV2},
-      {"jax_ep_ll_combine_recv_v2", "CUDA", JaxEpLlCombineRecvInstantiateV2, JaxEpLlCombineRecvCudaV2},
+      {"jax_ep_ll_dispatch_v3", "CUDA", JaxEpLlDispatchInstantiateV3, JaxEpLlDispatchCudaV3},
+      {"jax_ep_ll_dispatch_send_v3", "CUDA", JaxEpLlDispatchSendInstantiateV3, JaxEpLlDispatchSendCudaV3},
+      {"jax_ep_ll_dispatch_recv_v3", "CUDA", JaxEpLlDispatchRecvInstantiateV3, JaxEpLlDispatchRecvCudaV3},
+      {"jax_ep_ll_combine_v3", "CUDA", JaxEpLlCombineInstantiateV3, JaxEpLlCombineCudaV3},
+      {"jax_ep_ll_combine_send_v3", "CUDA", JaxEpLlCombineSendInstantiateV3, JaxEpLlCombineSendCudaV3},
+      {"jax_ep_ll_combine_recv_v3", "CUDA", JaxEpLlCombineRecvInstantiateV3, JaxEpLlCombineRecvCudaV3},
   };
   return targets;
 }

@@ -67,6 +67,7 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, c
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.use_fp8 = a.use_fp8 != 0;
+  c.per_rank = a.per_rank != 0;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
 }
 
@@ -102,7 +103,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                                           std::to_string(rg.view.buffer_bytes) + "-byte staging buffer");
   const int64_t half_bytes = ll_half_bytes(b.ll_bytes);
   const LowLatencyLayout layout =
-      make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, b.ll_offset, half_bytes);
+      make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, R, b.ll_offset, half_bytes);
   if (layout.half_needed > half_bytes)
     return ffi_util::Invalid(target_, "this config needs " + std::to_string(layout.half_needed) +
                                           " bytes per low-latency half but the runtime has " +

@@ -33,6 +33,7 @@ struct OpConfig {
   int32_t num_experts = 0, hidden = 0, num_topk = 0, max_tokens_per_rank = 0;
   int32_t num_sms = 0;     // normal mode
   bool use_fp8 = false;    // low-latency dispatch
+  bool per_rank = false;   // low-latency mode: per_rank (EPConfig.low_latency_mode)
   uint64_t timeout_ns = 1;
 };
 

@@ -17,16 +17,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV2);
 
-// low-latency mode: jax_ep_ll_dispatch_v2, jax_ep_ll_dispatch_send_v2, ..._recv_v2, jax_ep_ll_combine_v2, ...
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV2);
+// low-latency mode: jax_ep_ll_dispatch_v3, jax_ep_ll_dispatch_send_v3, ..._recv_v3, jax_ep_ll_combine_v3, ...
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV3);

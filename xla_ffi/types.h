@@ -10,6 +10,7 @@ namespace ffi = ::xla::ffi;
 using S32Scalar = ffi::Buffer<ffi::S32, 0>;
 using S32Vec = ffi::Buffer<ffi::S32, 1>;
 using S32Mat = ffi::Buffer<ffi::S32, 2>;
+using S32Cube = ffi::Buffer<ffi::S32, 3>;
 using F32Mat = ffi::Buffer<ffi::F32, 2>;
 using F32Cube = ffi::Buffer<ffi::F32, 3>;
 using PredMat = ffi::Buffer<ffi::PRED, 2>;

@@ -34,107 +34,13 @@
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
 #include "jax_ep/routing_params.h"
+#include "kernels/ll_device.cuh"
 #include "kernels/ll_protocol.cuh"
+#include "kernels/ll_rank_kernels.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep::ll {
 namespace {
-
-constexpr int kSendThreads = 512;      // dispatch send: 16 warps per token
-constexpr int kThreads = 512;          // dispatch recv, combine send
-constexpr int kCombineRecvThreads = 256;
-constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
-constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
-constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
-constexpr uint32_t kE4m3NaN = 0x7Fu;
-constexpr int kMaxSendSharedBytes = 48 * 1024;  // dynamic shared memory without an opt-in: fp8 H <= 47662   // the e4m3fn NaN code a non-finite channel becomes (jax_ep/fp8.py)
-
-__device__ __forceinline__ bool is_finite(float f) { return fabsf(f) < __int_as_float(0x7f800000); }  // NaN: false
-
-// Quantizes channels [ch0, ch1) (at most kSegChannels) of one bf16 row into an fp8 message (payload at +0, scales
-// at +H). Each lane owns 16 channels per step (two 16-byte loads, one 16-byte fp8 store: NVLink moves full 16-byte
-// stores about twice as fast as 8-byte ones); step j covers ch0 + 512 j + [0, 512), and each group of 8 lanes owns one
-// 128-channel block (H % 128 == 0). All loads of the segment are issued before any arithmetic.
-// warp_scales: 8 floats of shared memory owned by this warp (the segment's scales go to the peer as 16-byte vectors,
-// not 4-byte writes).
-// Non-finite channels (docs/API.md, jax_ep/fp8.py): amax is taken over the block's finite channels only (0 if none),
-// and every NaN / +inf / -inf channel is stored as the NaN code 0x7F (not a saturated 448), so NaN propagates to
-// exactly the channels that were non-finite and the rest of the block is quantized as if they were absent.
-__device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_bfloat16* row, int hidden, int ch0,
-                                                 int ch1, float* warp_scales) {
-  constexpr int kSteps = kSegChannels / 512;
-  const int lane = lane_id();
-  int4 v[kSteps][2];
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    const int ch = ch0 + 512 * j + lane * 16;
-    if (ch < ch1) {
-      v[j][0] = ld_nc_v4(reinterpret_cast<const int4*>(row + ch));
-      v[j][1] = ld_nc_v4(reinterpret_cast<const int4*>(row + ch + 8));
-    }
-  }
-  float amax[kSteps];
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    amax[j] = 0.0f;
-    if (ch0 + 512 * j + lane * 16 < ch1) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float f[8];
-        unpack_bf16x8(v[j][h], f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], is_finite(f[i]) ? fabsf(f[i]) : 0.0f);
-      }
-    }
-  }
-#pragma unroll
-  for (int o = 4; o >= 1; o >>= 1) {
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
-  }
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    const int ch = ch0 + 512 * j + lane * 16;
-    if (ch >= ch1) continue;
-    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); amax == 0: scale 1.
-    const float scale = amax[j] > 0.0f ? __fmul_rn(amax[j], kInvE4m3Max) : 1.0f;
-    const float inv = __fdiv_rn(1.0f, scale);
-    uint32_t q2[8];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float f[8];
-      unpack_bf16x8(v[j][h], f);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t pair = __nv_cvt_float2_to_fp8x2(  // f[2i] -> low byte, f[2i+1] -> high byte
-            make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)), __NV_SATFINITE, __NV_E4M3);
-        if (!is_finite(f[2 * i])) pair = (pair & 0xFF00u) | kE4m3NaN;
-        if (!is_finite(f[2 * i + 1])) pair = (pair & 0x00FFu) | (kE4m3NaN << 8);
-        q2[4 * h + i] = pair;
-      }
-    }
-    st_v4(reinterpret_cast<int4*>(msg_payload + ch),
-          make_int4(static_cast<int>(q2[0] | (q2[1] << 16)), static_cast<int>(q2[2] | (q2[3] << 16)),
-                    static_cast<int>(q2[4] | (q2[5] << 16)), static_cast<int>(q2[6] | (q2[7] << 16))));
-    if ((lane & 7) == 0) warp_scales[(ch - ch0) / kFp8Block] = scale;
-  }
-  __syncwarp();
-  const int blocks = (ch1 - ch0) / kFp8Block;  // <= 8 scales of this segment, contiguous in the message
-  float* dst = reinterpret_cast<float*>(msg_payload + hidden) + ch0 / kFp8Block;
-  if (blocks % 4 == 0) {
-    if (lane < blocks / 4) reinterpret_cast<float4*>(dst)[lane] = reinterpret_cast<const float4*>(warp_scales)[lane];
-  } else if (lane < blocks) {
-    dst[lane] = warp_scales[lane];
-  }
-  __syncwarp();  // warp_scales is reused by the warp's next item
-}
-
-// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
-__device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
-  int s = 0;
-  while (s + 1 < R && i >= off[s + 1]) ++s;
-  return s;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch send, token-major: block b takes tokens b, b + grid, ... For each token it finds its distinct valid
@@ -144,64 +50,6 @@ __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
 // to finish publishes every expert's count and flag (its threads in parallel) and resets the counters.
 // NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
-
-// Distinct valid experts of token t (s_expert[k] = e, or -1 for an invalid or repeated id) and their positions
-// (s_pos[k] = tokens t' < t naming s_expert[k]). All threads; ends with __syncthreads.
-__device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int K, int E, int32_t* s_expert,
-                                           int32_t* s_pos, int32_t (*s_part)[kMaxTopk]) {
-  const int tid = threadIdx.x, lane = lane_id(), warp = warp_id();
-  const int32_t* ids = topk_idx + static_cast<int64_t>(t) * K;
-  if (tid < K) {
-    const int32_t e = __ldg(ids + tid);
-    bool ok = routing::valid_expert(e, E);
-    for (int j = 0; j < tid; ++j) ok &= (__ldg(ids + j) != e);  // a repeated expert gets one message (first k)
-    s_expert[tid] = ok ? e : -1;
-  }
-  __syncthreads();
-  int32_t mine[kMaxTopk];
-  int32_t cnt[kMaxTopk];
-#pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k) {
-    mine[k] = k < K ? s_expert[k] : -1;
-    cnt[k] = 0;
-  }
-  for (int tp = tid; tp < t; tp += blockDim.x) {  // earlier tokens, one per thread
-    const int32_t* other = topk_idx + static_cast<int64_t>(tp) * K;
-    int32_t o[kMaxTopk];
-#pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) o[j] = j < K ? __ldg(other + j) : -2;
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
-      bool hit = false;
-#pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) hit |= (o[j] == mine[k]);
-      cnt[k] += (mine[k] >= 0 && hit) ? 1 : 0;  // once per earlier token, however often it repeats e
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k) {
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) cnt[k] += __shfl_xor_sync(0xffffffffu, cnt[k], o);
-    if (lane == 0) s_part[warp][k] = cnt[k];
-  }
-  __syncthreads();
-  if (tid < K) {
-    int32_t pos = 0;
-    for (int w = 0; w < num_warps(); ++w) pos += s_part[w][tid];
-    s_pos[tid] = pos;
-  }
-  __syncthreads();
-}
-
-// One warp copies `bytes` (a multiple of 4, at most kSegBytes) from shared memory to a peer: 16-byte vectors, then
-// 4-byte words for the tail (an fp8 message's scales are H/32 bytes: not always a multiple of 16).
-__device__ __forceinline__ void copy_segment_from_shared(char* dst, const char* src, int bytes) {
-  const int n16 = bytes / 16;
-  for (int j = lane_id(); j < n16; j += 32)
-    st_v4(reinterpret_cast<int4*>(dst) + j, reinterpret_cast<const int4*>(src)[j]);
-  for (int j = n16 * 4 + lane_id(); j < bytes / 4; j += 32)
-    reinterpret_cast<int32_t*>(dst)[j] = reinterpret_cast<const int32_t*>(src)[j];
-}
 
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row) {
   const Ctx& c = p.c;
@@ -219,7 +67,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
   const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    token_slots(p.topk_idx, t, K, E, s_expert, s_pos, s_part);
+    token_slots(p.topk_idx, t, K, E, 1, s_expert, s_pos, s_part);
     if (threadIdx.x < K && s_expert[threadIdx.x] >= 0) atomicAdd(counts + s_expert[threadIdx.x], 1u);
     const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
     if (p.use_fp8) {  // quantize once into shared memory: [H fp8 | S f32], the message payload as it goes out
@@ -273,18 +121,7 @@ __global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const Di
               p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
   __syncthreads();
   if (s_gate.work) dispatch_send_body(p, s_gate.epoch, s_row);  // block-uniform
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's peer stores and count atomics before it is counted
-    uint32_t* done = ll_word(p.c.g, SignalHeader::kLlSendDone);
-    s_last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
-    if (s_last) {
-      atomicExch(done, 0u);
-      __threadfence();
-    }
-  }
-  __syncthreads();
-  if (!s_last) return;
+  if (!last_block_all(ll_word(p.c.g, SignalHeader::kLlSendDone), &s_last)) return;
   if (s_gate.work) publish_expert_counts(p, s_gate.epoch);
   __syncthreads();
   if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
@@ -461,39 +298,29 @@ int parts_per_expert(const Ctx& c, int max_parts) {
   return std::max(1, std::min(max_parts, (2 * sms + c.num_local - 1) / c.num_local));
 }
 
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return Status::Error(std::string(what) + " launch failed: " + cudaGetErrorString(e));
-}
 
 }  // namespace
 
 Status preload_kernels() {
+  JAX_EP_RETURN_IF_ERROR(rank::preload_kernels());
   return preload({reinterpret_cast<const void*>(ll_dispatch_send_kernel),
                   reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(ll_combine_send_kernel),
                   reinterpret_cast<const void*>(ll_combine_recv_kernel)});
 }
 
-// Shared memory of the send kernel: an fp8 message payload (bf16 rows are copied from global memory directly).
-int send_shared_bytes(const DispatchSendParams& p) {
-  return p.use_fp8 ? static_cast<int>(align_up(p.c.hidden + 4 * (p.c.hidden / kFp8Block), 16)) : 0;
-}
-
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
+  if (p.per_rank) return rank::launch_dispatch_send(p, stream);
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
   const int grid = std::max(1, std::min(p.num_tokens, 2 * sms));  // one block per token (T = 0: one block)
-  const int smem = send_shared_bytes(p);
-  if (smem > kMaxSendSharedBytes)
-    return Status::Error("low-latency dispatch send: hidden=" + std::to_string(p.c.hidden) +
-                         " needs " + std::to_string(smem) + " bytes of shared memory for one fp8 row (at most " +
-                         std::to_string(kMaxSendSharedBytes) + ")");
+  const int smem = send_shared_bytes(p.use_fp8, p.c.hidden);
+  JAX_EP_RETURN_IF_ERROR(check_send_shared(smem, p.c.hidden));
   ll_dispatch_send_kernel<<<grid, kSendThreads, smem, stream>>>(p);
   return launched("low-latency dispatch send");
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
+  if (p.per_rank) return rank::launch_dispatch_recv(p, stream);
   const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
   ll_dispatch_recv_kernel<<<grid, kThreads, 0, stream>>>(p);
   return launched("low-latency dispatch receive");
@@ -505,12 +332,14 @@ Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams&
 }
 
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
+  if (p.per_rank) return rank::launch_combine_send(p, stream);
   const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
   ll_combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
 
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
+  if (p.per_rank) return rank::launch_combine_recv(p, stream);
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
   const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
   const int blocks = std::max(1, p.num_tokens);

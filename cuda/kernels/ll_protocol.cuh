@@ -46,14 +46,16 @@ __device__ __forceinline__ void wait_consumed(const GroupCtx& g, int d, uint32_t
                g.timeout_ns, "low-latency send (peer still reading the op two epochs back)", g.rank, d);
 }
 
-// Thread 0 of each block of a send kernel. `op` names the op in the device over-subscription message.
+// The decision of a send (thread 0 of each block; no side effects): the output state and, when it works, the op's
+// epoch. `device_error` tells whether the device check (below) failed, for the caller's message.
 // NOTE (state words): the input state and the token are XLA buffers written by earlier kernels of the stream; read
 // with ld.global.cg (never a stale L1 line).
-__device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, bool fused, int32_t num_tokens,
-                                          const char* op, Gate* gate) {
+__device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& io, bool fused, Gate* gate,
+                                              bool* device_error) {
   const int4 in4 = __ldcg(reinterpret_cast<const int4*>(io.state_in));
   const ChainState in{in4.x, in4.y, in4.z};
   ChainState out = fused ? after_fused(in) : after_send(in);
+  *device_error = false;
   if (out.error == 0) {
     // NOTE (in_flight_device): +1 by the last block of every send, -1 by the last block of every receive (both only
     // when the op works), so it counts this rank's LL ops between send and receive over all chains and configs.
@@ -69,19 +71,30 @@ __device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, 
         ll_word(g, SignalHeader::kLlConsumed + 4 * (kMaxGroupRanks * (next & 1u) + g.rank)));
     if (dev >= static_cast<uint32_t>(kMaxLowLatencyInFlight) || !reached(own, next - 2u)) {
       out.error |= kErrorDevice;
-      if (blockIdx.x == 0 && blockIdx.y == 0)
-        printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
-               "here: the program forked the LL state or ran LL ops on independent chains\n",
-               op, g.rank, dev, next - 2u);
+      *device_error = true;
     }
   }
   gate->state_out = make_int4(out.seq, out.in_flight, out.error, 0);
   gate->work = out.error == 0;
   // Epoch of the op being sent: one more than the last send on this rank (set at the end of every working send).
   gate->epoch = gate->work ? load_volatile(ll_word(g, SignalHeader::kLlEpoch)) + 1u : 0u;
+}
+
+// Thread 0 of each block of a send kernel. `op` names the op in the device over-subscription message.
+// NOTE: a kernel launched before the send kernel of the same op (the per_rank combine's weight push) takes the
+// same decision with send_decision: nothing between them on the stream changes what it reads.
+__device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, bool fused, int32_t num_tokens,
+                                          const char* op, Gate* gate) {
+  bool device_error = false;
+  send_decision(g, io, fused, gate, &device_error);
+  if (device_error && blockIdx.x == 0 && blockIdx.y == 0)
+    printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
+           "here: the program forked the LL state or ran LL ops on independent chains\n",
+           op, g.rank, load_volatile(ll_word(g, SignalHeader::kLlInFlight)),
+           load_volatile(ll_word(g, SignalHeader::kLlEpoch)) - 1u);
   if (blockIdx.x == 0 && blockIdx.y == 0)
-    *reinterpret_cast<int4*>(io.token) =
-        make_int4(static_cast<int32_t>(gate->epoch), num_tokens, out.error, 0);  // read by the op's receive
+    *reinterpret_cast<int4*>(io.token) = make_int4(static_cast<int32_t>(gate->epoch), num_tokens,
+                                                   gate->state_out.z, 0);  // read by the op's receive
 }
 
 // Thread 0 of each block of a receive kernel (split: state_in != nullptr; fused: the send wrote the state).

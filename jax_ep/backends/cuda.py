@@ -59,24 +59,37 @@ def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: i
 
 
 # ---- low-latency mode: every op threads the state (low_latency_order.py); the kernels apply the same rules ------
-def _dispatch_output(results, use_fp8: bool):
-    recv_x, scales, count, src_info, layout_range, state = results
+def _dispatch_output(results, use_fp8: bool, per_rank: bool):
+    recv_x, scales, count, src_info, layout_range, msg_token, token_rows, state = results
+    handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range,
+                              msg_token=msg_token if per_rank else None, token_rows=token_rows if per_rank else None)
     out = LowLatencyDispatchOutput(recv_x=recv_x, recv_x_scales=scales if use_fp8 else None, recv_count=count,
-                                   handle=LowLatencyHandle(src_info=src_info, layout_range=layout_range))
+                                   handle=handle)
     return out, LowLatencyState(state)
+
+
+def _per_rank(cfg: EPConfig, num_ranks: int) -> bool:
+    return cfg.low_latency_mode_for(num_ranks) == "per_rank"
+
+
+def _tables(handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+    """The handle's per_rank tables, or the empty [R, 0] / [R, 0, K] operands of per_expert mode."""
+    if _per_rank(cfg, num_ranks):
+        return handle.msg_token, handle.token_rows
+    return (jnp.zeros((num_ranks, 0), I32), jnp.zeros((num_ranks, 0, cfg.num_topk), I32))
 
 
 def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     results = _ffi.ll_dispatch(x, topk_idx.astype(I32), state.value, num_ranks=num_ranks,
                                num_local_experts=cfg.num_local_experts(num_ranks),
-                               attrs=_ffi.low_latency_attrs(cfg, use_fp8))
-    return _dispatch_output(results, use_fp8)
+                               attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
+    return _dispatch_output(results, use_fp8, _per_rank(cfg, num_ranks))
 
 
 def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     """-> ((token,), next state)."""
     token, st = _ffi.ll_dispatch_send(x, topk_idx.astype(I32), state.value,
-                                      attrs=_ffi.low_latency_attrs(cfg, use_fp8))
+                                      attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
     return (token,), LowLatencyState(st)
 
 
@@ -84,28 +97,31 @@ def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: 
     (token,) = buffers
     results = _ffi.ll_dispatch_recv(token, state.value, num_ranks=num_ranks,
                                     num_local_experts=cfg.num_local_experts(num_ranks),
-                                    attrs=_ffi.low_latency_attrs(cfg, use_fp8))
-    return _dispatch_output(results, use_fp8)
+                                    attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
+    return _dispatch_output(results, use_fp8, _per_rank(cfg, num_ranks))
 
 
 def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
                num_ranks: int):
-    y, st = _ffi.ll_combine(expert_out, handle.src_info, handle.layout_range, topk_idx.astype(I32),
-                            topk_weights.astype(F32), state.value, attrs=_ffi.low_latency_attrs(cfg))
+    y, st = _ffi.ll_combine(expert_out, handle.src_info, handle.layout_range, *_tables(handle, cfg, num_ranks),
+                            topk_idx.astype(I32), topk_weights.astype(F32), state.value,
+                            attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return y, LowLatencyState(st)
 
 
 def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
                     cfg: EPConfig, num_ranks: int):
     """-> ((token, topk_idx, topk_weights), next state): the receive needs the routing again."""
-    token, st = _ffi.ll_combine_send(expert_out, handle.src_info, handle.layout_range, state.value,
-                                     attrs=_ffi.low_latency_attrs(cfg))
+    token, st = _ffi.ll_combine_send(expert_out, handle.src_info, handle.layout_range,
+                                     *_tables(handle, cfg, num_ranks), topk_weights.astype(F32), state.value,
+                                     attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return (token, topk_idx.astype(I32), topk_weights.astype(F32)), LowLatencyState(st)
 
 
 def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
     token, topk_idx, topk_weights = buffers
-    y, st = _ffi.ll_combine_recv(token, topk_idx, topk_weights, state.value, attrs=_ffi.low_latency_attrs(cfg))
+    y, st = _ffi.ll_combine_recv(token, topk_idx, topk_weights, state.value,
+                                 attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return y, LowLatencyState(st)
 
 

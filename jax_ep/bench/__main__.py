@@ -36,6 +36,8 @@ def parse_args(argv, on_gpu):
     p.add_argument("--mode", choices=["normal", "low_latency", "all"], default="all")
     p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (normal mode sweep)")
     p.add_argument("--ll-tokens", default=None, help="comma-separated tokens per rank (low-latency sweep)")
+    p.add_argument("--ll-mode", default="per_expert",
+                   help="comma-separated EPConfig.low_latency_mode values to run (per_expert, per_rank, auto)")
     p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256)
     p.add_argument("--topk", type=int, default=8 if on_gpu else 4)
     p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="normal mode experts")
@@ -51,6 +53,10 @@ def parse_args(argv, on_gpu):
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in (args.tokens or ("4096" if on_gpu else "16,64")).split(",")]
     args.ll_tokens = [int(t) for t in (args.ll_tokens or ("128" if on_gpu else "16")).split(",")]
+    args.ll_modes = [m for m in args.ll_mode.split(",") if m]
+    for m in args.ll_modes:
+        if m not in ("per_expert", "per_rank", "auto"):
+            p.error(f"--ll-mode: {m!r} is not one of per_expert, per_rank, auto")
     return args
 
 
@@ -74,14 +80,18 @@ def main(argv=None):
     results = []
     sweeps = []
     if args.mode in ("normal", "all"):
-        sweeps += [("normal", t, args.experts) for t in args.tokens]
+        sweeps += [("normal", t, args.experts, "per_expert") for t in args.tokens]
     if args.mode in ("low_latency", "all"):
-        sweeps += [("low_latency", t, args.ll_experts) for t in args.ll_tokens]
+        sweeps += [("low_latency", t, args.ll_experts, m) for t in args.ll_tokens for m in args.ll_modes]
     _initialize_all(sweeps, args, devices)
-    for mode, tokens, experts in sweeps:
-        maker = normal_contenders if mode == "normal" else low_latency_contenders
-        cases = maker(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
-                      num_sms=args.num_sms, with_ragged=bool(gpus))
+    for mode, tokens, experts, ll_mode in sweeps:
+        if mode == "normal":
+            cases = normal_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
+                                      num_sms=args.num_sms, with_ragged=bool(gpus))
+        else:
+            cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
+                                           backend=args.backend, num_sms=args.num_sms, with_ragged=bool(gpus),
+                                           ll_mode=ll_mode)
         cases = [c for c in cases if not only or any(s in c.name for s in only)]
         for i, case in enumerate(cases):
             print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
@@ -126,8 +136,8 @@ def _initialize_all(sweeps, args, devices):
     normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep."""
     from .contenders import bench_config, bench_mesh
 
-    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms)
-               for _, tokens, experts in sweeps]
+    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode)
+               for _, tokens, experts, ll_mode in sweeps]
     if configs:
         jax_ep.initialize(bench_mesh(devices), *configs)
 
@@ -137,23 +147,31 @@ def low_latency_phases(devices, args, rng):
     from .contenders import low_latency_phase_programs
     from .kernel_times import kernel_times
 
-    patterns = {"LL dispatch send (kernel)": "ll_dispatch_send_kernel",
-                "LL dispatch recv (kernel)": "ll_dispatch_recv_kernel",
-                "LL combine send (kernel)": "ll_combine_send_kernel",
-                "LL combine recv (kernel)": "ll_combine_recv_kernel"}
+    # substrings of both modes' kernel names (ll_dispatch_send_kernel, ll_rank_dispatch_send_kernel, ...)
+    patterns = {"LL dispatch send (kernel)": "dispatch_send_kernel",
+                "LL dispatch recv (kernel)": "dispatch_recv_kernel",
+                "LL combine weight push (kernel)": "combine_push_kernel",
+                "LL combine send (kernel)": "combine_send_kernel",
+                "LL combine recv (kernel)": "combine_recv_kernel"}
     rows = []
     for tokens in args.ll_tokens:
-        try:
-            fn, fargs = low_latency_phase_programs(devices, tokens, args.hidden, args.topk, args.ll_experts, rng,
-                                                   args.num_sms)
-            times = kernel_times(fn, fargs, patterns)
-        except Exception as e:  # the profiler is optional: say why there are no phase times
-            print(f"[low_latency T={tokens}] no kernel times: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            continue
-        for label, (count, us) in times.items():
-            print(f"[low_latency T={tokens}] {label}: {us:.1f} us (median of {count} launches over all GPUs)")
-            rows.append(dict(mode="low_latency", tokens=tokens, name=label, kind="phase", op="phase", us=us,
-                             gbps=0.0, launches=count))
+        for ll_mode in args.ll_modes:
+            tag = "" if ll_mode == "per_expert" else f" [{ll_mode}]"
+            try:
+                fn, fargs = low_latency_phase_programs(devices, tokens, args.hidden, args.topk, args.ll_experts,
+                                                       rng, args.num_sms, ll_mode)
+                times = kernel_times(fn, fargs, patterns)
+            except Exception as e:  # the profiler is optional: say why there are no phase times
+                print(f"[low_latency T={tokens}{tag}] no kernel times: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}")
+                continue
+            for label, (count, us) in times.items():
+                if not count:  # e.g. the weight push of per_rank mode in per_expert mode
+                    continue
+                print(f"[low_latency T={tokens}{tag}] {label}: {us:.1f} us (median of {count} launches over all "
+                      f"GPUs)")
+                rows.append(dict(mode="low_latency", tokens=tokens, name=label + tag, kind="phase", op="phase",
+                                 us=us, gbps=0.0, launches=count))
     return rows
 
 

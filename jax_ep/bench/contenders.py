@@ -56,15 +56,16 @@ def bench_mesh(devices) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-def bench_config(tokens, hidden, topk, experts, backend, num_sms) -> jax_ep.EPConfig:
+def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert") -> jax_ep.EPConfig:
     """The config of one sweep (the same object everywhere: __main__ initializes all of them up front)."""
-    return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms)
+    return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
+                           low_latency_mode=ll_mode)
 
 
-def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms):
+def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert"):
     """Mesh, initialized config, DeepEP routing (numpy, for byte counts) and the sharded-to-be inputs."""
     mesh = bench_mesh(devices)
-    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms)
+    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode)
     jax_ep.initialize(mesh, cfg)  # a no-op when __main__ initialized every config of the run already
     idx = deepep_routing(rng, len(devices), tokens, experts, topk)
     spec = P(AXIS)
@@ -159,8 +160,12 @@ def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
                 (spec,) * len(prepared), nbytes)
 
 
-def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
+def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged,
+                           ll_mode="per_expert"):
+    """LL contenders of one mode (EPConfig.low_latency_mode; its name is appended unless per_expert), the padded
+    all_to_all and, for per_expert, the overlap and ragged baselines."""
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode)
+    tag = "" if ll_mode == "per_expert" else f" ({ll_mode})"
     pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
     idx = to_global(idx, mesh, P(AXIS))
     spec = P(AXIS)
@@ -170,28 +175,30 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
 
     def prepare(x, i):
         ll = jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False)
-        return ll.recv_x, ll.handle.src_info, ll.handle.layout_range
+        return ll.recv_x, ll.handle
 
-    recv_x, src_info, layout_range = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2,
-                                                           out_specs=spec))(x, idx)
+    recv_x, handle = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2, out_specs=spec))(x, idx)
 
-    def ll_combine(expert_out, idx, w, src_info, layout_range):
-        return jax_ep.low_latency_combine(expert_out, idx, w, jax_ep.LowLatencyHandle(src_info, layout_range), cfg)
+    def ll_combine(expert_out, idx, w, handle):
+        return jax_ep.low_latency_combine(expert_out, idx, w, handle, cfg)
 
     def ll_dispatch_bf16(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False).recv_x
 
     fp8_bytes, bf16_bytes = pairs * (hidden + hidden // FP8_BLOCK * 4), pairs * hidden * 2
     cases = [
-        Case("jax_ep LL dispatch fp8", "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2, fp8_bytes,
-             first_call=True),
-        Case("jax_ep LL dispatch bf16", "jax_ep", "dispatch bf16", ll_dispatch_bf16, (x, idx), mesh, (spec,) * 2,
-             bf16_bytes),
-        Case("jax_ep LL combine bf16", "jax_ep", "combine", ll_combine, (recv_x, idx, w, src_info, layout_range),
-             mesh, (spec,) * 5, bf16_bytes, first_call=True),
-    ] + _padded_cases([("dispatch", x, fp8_bytes)], idx, experts, mesh, rng, bf16_bytes)
+        Case("jax_ep LL dispatch fp8" + tag, "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2,
+             fp8_bytes, first_call=True),
+        Case("jax_ep LL dispatch bf16" + tag, "jax_ep", "dispatch bf16", ll_dispatch_bf16, (x, idx), mesh,
+             (spec,) * 2, bf16_bytes),
+        Case("jax_ep LL combine bf16" + tag, "jax_ep", "combine", ll_combine, (recv_x, idx, w, handle),
+             mesh, (spec,) * 4, bf16_bytes, first_call=True),
+    ]
+    if ll_mode != "per_expert":
+        return cases
+    cases += _padded_cases([("dispatch", x, fp8_bytes)], idx, experts, mesh, rng, bf16_bytes)
     if jax_ep.runtime.resolve_backend(cfg) == "cuda":
-        cases += overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng)
+        cases += overlap_cases(cfg, mesh, x, idx, w, recv_x, handle, rng)
     if with_ragged:
         def ragged(x, idx):
             rows_, dest = baselines.ragged_per_expert_rows(x, idx, experts, ranks)
@@ -210,7 +217,7 @@ def _after(value, *deps):
     return value
 
 
-def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, matmul_n=2048):
+def overlap_cases(cfg, mesh, x, idx, w, recv_x, handle, rng, matmul_n=2048):
     """The split phases with independent work between them (SPEC §4): send -> matmul -> recv, against the same
     three back to back (send -> recv -> matmul) and the matmul alone. Data dependencies fix the order."""
     spec = P(AXIS)
@@ -231,8 +238,7 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, mat
         out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True)
         return matmul(_after(a, out.recv_x_scales))
 
-    def combine_overlapped(expert_out, idx, w, src_info, layout_range, a):
-        handle = jax_ep.LowLatencyHandle(src_info, layout_range)
+    def combine_overlapped(expert_out, idx, w, handle, a):
         pending, state = jax_ep.low_latency_combine_send(expert_out, idx, w, handle, cfg,
                                                          state=jax_ep.low_latency_state(cfg))
         m = matmul(_after(a, state.value))
@@ -240,14 +246,14 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, mat
         y, _ = jax_ep.low_latency_combine_recv(pending, cfg, state=state)
         return _after(m, y)
 
-    def combine_back_to_back(expert_out, idx, w, src_info, layout_range, a):
-        y = jax_ep.low_latency_combine(expert_out, idx, w, jax_ep.LowLatencyHandle(src_info, layout_range), cfg)
+    def combine_back_to_back(expert_out, idx, w, handle, a):
+        y = jax_ep.low_latency_combine(expert_out, idx, w, handle, cfg)
         return matmul(_after(a, y))
 
     def matmul_alone(a):
         return matmul(a)
 
-    comb_args = (recv_x, idx, w, src_info, layout_range, a)
+    comb_args = (recv_x, idx, w, handle, a)
     return [
         Case("overlap: matmul alone", "overlap", "overlap", matmul_alone, (a,), mesh, (spec,), 0.0),
         Case("overlap: LL dispatch fp8 send|matmul|recv", "overlap", "overlap", dispatch_overlapped, (x, idx, a),
@@ -255,15 +261,15 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, src_info, layout_range, rng, mat
         Case("overlap: LL dispatch fp8 + matmul back to back", "overlap", "overlap", dispatch_back_to_back,
              (x, idx, a), mesh, (spec,) * 3, 0.0),
         Case("overlap: LL combine send|matmul|recv", "overlap", "overlap", combine_overlapped, comb_args, mesh,
-             (spec,) * 6, 0.0),
+             (spec,) * 5, 0.0),
         Case("overlap: LL combine + matmul back to back", "overlap", "overlap", combine_back_to_back, comb_args,
-             mesh, (spec,) * 6, 0.0),
+             mesh, (spec,) * 5, 0.0),
     ]
 
 
-def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms):
+def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms, ll_mode="per_expert"):
     """(fn, args) running LL dispatch fp8 then combine once, for per-kernel times from the profiler."""
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms)
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms, ll_mode)
     spec = P(AXIS)
 
     def body(x, idx, w):

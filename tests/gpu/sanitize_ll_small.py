@@ -2,7 +2,7 @@
 T=16, H=256, K=4, E=8; fp8 and bf16 dispatch, combine, the split phases and a chain threading a LowLatencyState,
 three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks recv_count against NumPy and prints 'sanitize_ll_small: OK' at the end.
 
-    compute-sanitizer --tool memcheck --kernel-name kns=ll_ python3 tests/gpu/sanitize_ll_small.py
+    compute-sanitizer --tool memcheck --kernel-name kns=ll_ python3 tests/gpu/sanitize_ll_small.py [per_rank]
 """
 
 import os
@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_ep
 
 
-def main():
+def main(mode: str = "per_expert"):
     T, H, K, E = 16, 256, 4, 8
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     R = min(2, len(gpus))
@@ -25,7 +25,7 @@ def main():
         print("sanitize_ll_small skipped: needs a CUDA GPU, found none")
         return
     mesh = Mesh(np.array(gpus[:R]), ("ep",))
-    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0)
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0, low_latency_mode=mode)
     jax_ep.initialize(mesh, cfg)
 
     def body(x, idx, w):
@@ -58,8 +58,10 @@ def main():
         assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y2).view(np.uint16))
         print(f"round {round_}: recv_count {expect}")
     jax_ep.finalize()
-    print("sanitize_ll_small: OK")
+    print(f"sanitize_ll_small ({mode}): OK")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(*sys.argv[1:2])

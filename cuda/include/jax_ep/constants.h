@@ -24,6 +24,7 @@ constexpr int64_t kSignalHeaderBytes = 1024;  // fixed header at offset 0 (cuda/
 constexpr int64_t kMaxLowLatencyExperts = 1024;  // per-expert scratch counters of the combine sender (E <= 1024)
 constexpr int64_t kLowLatencyScratchBytes = 4 * kMaxLowLatencyExperts;
 constexpr int64_t kLowLatencyMsgHeader = 16;     // bytes before the payload of a dispatch message
+constexpr int64_t kRankMsgHeader = 80;           // per_rank mode: i32 token, 12 pad, i32 local expert x kMaxTopk
 constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send and their receive (buffer halves)
 
 }  // namespace jax_ep

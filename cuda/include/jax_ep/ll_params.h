@@ -106,6 +106,7 @@ struct DispatchSendParams {
   int32_t num_topk;          // K
   bool use_fp8;              // quantize per 128 channels in the kernel (SPEC §4 rule) or send bf16
   bool fused;                // the send half of jax_ep_ll_dispatch (fused transition)
+  bool per_rank;             // per_rank mode: one message per (token, destination rank) into [me][position]
 };
 
 // Dispatch receive: waits for every (local expert, source) signal and packs rows in (source, token) order.
@@ -117,7 +118,11 @@ struct DispatchRecvParams {
   int32_t* recv_count;       // [L] out
   int32_t* src_info;         // [L, R*T_max] out: source token, -1 on rows >= recv_count
   int32_t* layout_range;     // [L, R] out: rows from each source rank
+  int32_t* msg_token;        // per_rank: [R, T_max] out (handle.msg_token), else nullptr
+  int32_t* token_rows;       // per_rank: [R, T_max, K] out (handle.token_rows), else nullptr
+  int32_t num_topk;          // K
   bool use_fp8;
+  bool per_rank;             // per_rank mode: expand each source's messages into the local expert slots
 };
 
 // Combine send: every valid expert row back to its token's rank, slot [global expert][token].
@@ -127,7 +132,14 @@ struct CombineSendParams {
   const void* expert_out;       // [L, R*T_max, H] bf16
   const int32_t* src_info;      // [L, R*T_max] (handle)
   const int32_t* layout_range;  // [L, R] (handle)
+  // per_rank mode only (nullptr otherwise):
+  const int32_t* msg_token;     // [R, T_max] (handle)
+  const int32_t* token_rows;    // [R, T_max, K] (handle)
+  const float* topk_weights;    // [T, K]: this rank's weights, pushed to every rank before the partial sums
+  int32_t num_tokens;           // T
+  int32_t num_topk;             // K
   bool fused;                   // the send half of jax_ep_ll_combine (fused transition)
+  bool per_rank;                // per_rank mode: weighted partial sums per (token, rank) instead of expert rows
 };
 
 // Combine receive: y[t] = sum over valid k of w[t, k] * row(topk_idx[t, k], t), f32 accumulation, bf16 out.
@@ -139,6 +151,7 @@ struct CombineRecvParams {
   void* y;                   // [T, H] bf16 out
   int32_t num_tokens;        // T
   int32_t num_topk;          // K
+  bool per_rank;             // per_rank mode: y[t] = sum over t's ranks (ascending) of their partial sums
 };
 
 }  // namespace jax_ep::ll

@@ -80,17 +80,37 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 //                              [i32 source token, 12 bytes pad | payload (H fp8 or 2H bf16) | fp8: S f32 scales]
 //                            combine:  rows [E][T_max] of 2H bytes (bf16), row (e, t) = expert e's output for t
 //
-// NOTE: every flag word has exactly one writer (d_flags[l][s]: rank s; c_flags[e]: e's owner), so two writes to
-// one word are ordered by that writer's stream, and a late write from an old epoch can never overwrite a newer one.
+//
+// per_rank mode (EPConfig.low_latency_mode; one message per (token, destination rank)) uses the same half:
+//   rank_words  u32[4][kMaxGroupRanks]  r_flags[s] / r_counts[s]: dispatch messages from source s (written by s);
+//                                       w_flags[s]: combine weights from source s; p_flags[d]: combine partial
+//                                       rows from rank d (written by d)
+//   rows        dispatch: messages [R][T_max], rank_msg_stride bytes each:
+//                 [i32 source token, 12 pad | i32 local expert (or -1) per top-k slot, kMaxTopk | payload | scales]
+//               combine: partial sums [R][T_max] of 2H bytes, row (d, t) = rank d's weighted sum for token t
+//   weights     f32 [R][T_max][kMaxTopk]: source s's topk_weights, for the combine on the expert side
+//
+// NOTE: every flag word has exactly one writer (d_flags[l][s], r_flags[s], r_counts[s], w_flags[s]: rank s;
+// c_flags[e]: e's owner; p_flags[d]: rank d), so two writes to one word are ordered by that writer's stream, and a
+// late write from an old epoch can never overwrite a newer one.
 struct LowLatencyLayout {
   int64_t scratch;      // buffer offset of the scratch counters
   int64_t half[2];      // buffer offsets of the two halves
   int64_t c_flags;      // offsets inside a half
   int64_t d_flags;
   int64_t d_counts;
+  int64_t rank_words;   // per_rank mode: r_flags, r_counts, w_flags, p_flags (kMaxGroupRanks u32 each)
   int64_t rows;
+  int64_t weights;      // per_rank mode: f32 [R][T_max][kMaxTopk]
   int64_t msg_stride;   // dispatch message bytes
+  int64_t rank_msg_stride;  // per_rank dispatch message bytes
   int64_t half_needed;  // bytes this config needs in one half
+};
+
+// Word offsets inside rank_words (in u32 units).
+struct RankWord {
+  static constexpr int kFlags = 0, kCounts = kMaxGroupRanks, kWeightFlags = 2 * kMaxGroupRanks,
+                       kPartialFlags = 3 * kMaxGroupRanks;
 };
 
 JAX_EP_HD int64_t ll_msg_stride(int64_t hidden) {
@@ -98,31 +118,41 @@ JAX_EP_HD int64_t ll_msg_stride(int64_t hidden) {
   return align_up(kLowLatencyMsgHeader + 2 * hidden + 4 * scale_cols, 16);
 }
 
+JAX_EP_HD int64_t ll_rank_msg_stride(int64_t hidden) {
+  const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
+  return align_up(kRankMsgHeader + 2 * hidden + 4 * scale_cols, 16);
+}
+
 // region_offset / half_bytes: where the LL region is and how big one half is (0, 0 for the size computation only).
 JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts,
-                                                   int64_t region_offset, int64_t half_bytes) {
+                                                   int64_t num_ranks, int64_t region_offset, int64_t half_bytes) {
   LowLatencyLayout b{};
   const int64_t E = num_experts;
   b.c_flags = 0;
   b.d_flags = align_up(4 * E);
   b.d_counts = b.d_flags + align_up(4 * E);
-  b.rows = b.d_counts + align_up(4 * E);
+  b.rank_words = b.d_counts + align_up(4 * E);
+  b.rows = b.rank_words + align_up(4 * 4 * kMaxGroupRanks);
   b.msg_stride = ll_msg_stride(hidden);
+  b.rank_msg_stride = ll_rank_msg_stride(hidden);
   const int64_t dispatch_end = b.rows + E * max_tokens_per_rank * b.msg_stride;  // L * R = E messages per token slot
   const int64_t combine_end = b.rows + E * max_tokens_per_rank * 2 * hidden;
-  b.half_needed = align_up(dispatch_end > combine_end ? dispatch_end : combine_end);
+  const int64_t rank_end = b.rows + num_ranks * max_tokens_per_rank * b.rank_msg_stride;  // per_rank: R per slot
+  int64_t rows_end = dispatch_end > combine_end ? dispatch_end : combine_end;
+  rows_end = rank_end > rows_end ? rank_end : rows_end;
+  b.weights = align_up(rows_end);
+  b.half_needed = align_up(b.weights + 4 * num_ranks * max_tokens_per_rank * kMaxTopk);
   b.scratch = region_offset;
   b.half[0] = region_offset + kLowLatencyScratchBytes;
   b.half[1] = b.half[0] + half_bytes;
   return b;
 }
 
-// Bytes of the low-latency region one rank needs for a config (both halves and the scratch). num_ranks does not
-// enter the formula (E = L * R messages per token slot) but is part of the config's identity.
-inline int64_t low_latency_buffer_bytes(int64_t hidden, int64_t max_tokens_per_rank, int64_t /*num_ranks*/,
+// Bytes of the low-latency region one rank needs for a config (both halves and the scratch).
+inline int64_t low_latency_buffer_bytes(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks,
                                         int64_t num_experts) {
   return kLowLatencyScratchBytes +
-         2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, 0, 0).half_needed;
+         2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, num_ranks, 0, 0).half_needed;
 }
 
 // Bytes of one half inside an LL region of ll_bytes (what a bound region offers every config).

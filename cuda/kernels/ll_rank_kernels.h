@@ -1,0 +1,18 @@
+// Launchers of the low-latency per_rank kernels (ll_rank_kernels.cu); ll_kernels.cu's launchers call them when a
+// params struct says per_rank. Same parameter structs as per_expert mode (ll_params.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "jax_ep/ll_params.h"
+#include "jax_ep/status.h"
+
+namespace jax_ep::ll::rank {
+
+Status preload_kernels();
+Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream);
+Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
+Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);  // weight push + partial sums
+Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
+
+}  // namespace jax_ep::ll::rank
