@@ -37,12 +37,14 @@ def bf16(a) -> jax.Array:
 
 
 def non_finite_rows(num_tokens, hidden, seed):
-    """bf16 rows (as f32) whose blocks hold: NaN, +inf, -inf, all three, all non-finite, all zero, zeros + NaN, none."""
+    """bf16 rows (as f32) whose blocks hold: NaN, +inf, -inf, all three, all non-finite, all zero, zeros + NaN, none,
+    tiny (amax below 448 * 2^-126: the scale would be subnormal), and small values with f32-subnormal channels."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((num_tokens, hidden)) * rng.choice([1e-3, 1.0, 300.0], (num_tokens, 1)))
     x = x.astype(np.float32)
     blocks = x.reshape(num_tokens, -1, 128)
-    cases = ["nan", "inf", "-inf", "mixed", "all_non_finite", "all_zero", "zero_and_nan", "finite"]
+    cases = ["nan", "inf", "-inf", "mixed", "all_non_finite", "all_zero", "zero_and_nan", "finite", "tiny",
+             "subnormal"]
     for t in range(num_tokens):
         for b in range(blocks.shape[1]):
             case = cases[(t * blocks.shape[1] + b) % len(cases)]
@@ -63,4 +65,10 @@ def non_finite_rows(num_tokens, hidden, seed):
             elif case == "zero_and_nan":
                 blocks[t, b] = 0.0
                 blocks[t, b, ch[0]] = np.nan
+            elif case == "tiny":  # amax ~ 1e-37 < 448 * 2^-126 ~ 5.3e-36, one channel just below the threshold
+                blocks[t, b] = rng.standard_normal(128).astype(np.float32) * np.float32(1e-37)
+                blocks[t, b, ch[0]] = -5.0e-36
+            elif case == "subnormal":  # a normal block near the threshold (2^-110) with subnormal channels
+                blocks[t, b] = rng.standard_normal(128).astype(np.float32) * np.float32(2.0 ** -110)
+                blocks[t, b, ch[:2]] = [3.0e-39, -1.0e-39]
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # exactly representable in bf16

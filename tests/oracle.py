@@ -218,19 +218,20 @@ def combine_from_recv_src(expert_out, recv_src_rank, recv_src_idx, num_tokens, a
 # FP8 (docs/API.md rule)
 # ----------------------------------------------------------------------------------------------------------
 def quantize_fp8(x):
-    """Per token per 128 channels: amax in f32, scale = amax * f32(1/448), q = e4m3fn(x * (1/scale)) (RNE);
-    amax == 0 -> scale 1, q 0.  x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H//128] f32)."""
+    """Per token per 128 channels: |x| < 2^-126 counts as +-0; amax in f32, scale = amax * f32(1/448),
+    q = e4m3fn(x * (1/scale)) (RNE); amax < 448 * 2^-126 (zero or tiny block) -> scale 1, q 0.  x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H//128] f32)."""
     x = np.asarray(x)
     H = x.shape[-1]
     if H % QBLOCK:
         raise ValueError(f"H={H} not a multiple of {QBLOCK}")
     xf = x.astype(np.float32).reshape(x.shape[:-1] + (H // QBLOCK, QBLOCK))
+    xf = np.where(np.abs(xf) < np.float32(2.0 ** -126), np.copysign(np.float32(0.0), xf), xf)  # subnormals: +-0
     amax = np.abs(xf).max(axis=-1)                                   # f32
-    nz = amax > 0
+    nz = amax >= np.float32(448.0 * 2.0 ** -126)                     # below: the scale would be subnormal
     scale = np.where(nz, amax * np.float32(1.0 / FP8_MAX), np.float32(1.0)).astype(np.float32)
     inverse = (np.float32(1.0) / scale).astype(np.float32)           # IEEE f32 division
     ratio = (xf * inverse[..., None]).astype(np.float32)
-    ratio = np.where(nz[..., None], ratio, np.float32(0.0))
+    ratio = np.where(nz[..., None], ratio, xf)  # scale 1: tiny values round to +-0
     q = ratio.astype(FP8)                                            # ml_dtypes: round to nearest even
     return q.reshape(x.shape), scale
 

@@ -362,13 +362,16 @@ def test_low_latency_combine_ignores_masked_weights_even_non_finite():
 
 # ---- non-finite fp8 blocks ---------------------------------------------------------------------------------------------
 def numpy_fp8_rule(x):
-    """The rule of docs/API.md in NumPy: per token and 128-channel block, amax over the finite channels (0 if none);
-    scale = amax * f32(1/448) if amax > 0 else 1; finite channels -> e4m3fn(x * f32(1 / scale)) (round to nearest
-    even); every non-finite channel -> the NaN code 0x7F. Returns (q bytes uint8 [T, H], scales f32 [T, H // 128])."""
+    """The rule of docs/API.md in NumPy (IEEE, no flushing): per token and 128-channel block, |x| < 2^-126 counts as
+    +-0; amax over the finite channels (0 if none); scale = amax * f32(1/448) if amax >= 448 * 2^-126 else 1; finite
+    channels -> e4m3fn(x * f32(1 / scale)) (round to nearest even); every non-finite channel -> the NaN code 0x7F.
+    Returns (q bytes uint8 [T, H], scales f32 [T, H // 128])."""
     xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    xf = np.where(np.abs(xf) < np.float32(2.0 ** -126), np.copysign(np.float32(0), xf), xf)
     finite = np.isfinite(xf)
     amax = np.where(finite, np.abs(xf), np.float32(0)).max(axis=2)
-    scale = np.where(amax > 0, amax * np.float32(1.0 / 448.0), np.float32(1.0)).astype(np.float32)
+    scale = np.where(amax >= np.float32(448.0 * 2.0 ** -126), amax * np.float32(1.0 / 448.0),
+                     np.float32(1.0)).astype(np.float32)
     inverse = (np.float32(1.0) / scale).astype(np.float32)
     ratio = (np.where(finite, xf, np.float32(0)) * inverse[..., None]).astype(np.float32)
     q = ratio.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)

@@ -28,6 +28,11 @@ constexpr int kMaxSendSharedBytes = 48 * 1024;  // dynamic shared memory without
 
 __device__ __forceinline__ bool is_finite(float f) { return fabsf(f) < __int_as_float(0x7f800000); }  // NaN: false
 
+// f32 subnormals count as +-0 (jax_ep/fp8.py: XLA:CPU flushes them, GPUs do not; the rule fixes one answer).
+constexpr float kMinNormal = 1.17549435e-38f;                 // 2^-126
+constexpr float kMinAmax = 448.0f * 1.17549435e-38f;          // 7 * 2^-120: smaller amax -> scale 1
+__device__ __forceinline__ float flush_subnormal(float f) { return fabsf(f) < kMinNormal ? copysignf(0.0f, f) : f; }
+
 // Quantizes channels [ch0, ch1) (at most kSegChannels) of one bf16 row into an fp8 message (payload at +0, scales
 // at +H). Each lane owns 16 channels per step (two 16-byte loads, one 16-byte fp8 store: NVLink moves full 16-byte
 // stores about twice as fast as 8-byte ones); step j covers ch0 + 512 j + [0, 512), and each group of 8 lanes owns one
@@ -60,7 +65,7 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
         float f[8];
         unpack_bf16x8(v[j][h], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], is_finite(f[i]) ? fabsf(f[i]) : 0.0f);
+        for (int i = 0; i < 8; ++i) amax[j] = fmaxf(amax[j], is_finite(f[i]) ? fabsf(flush_subnormal(f[i])) : 0.0f);
       }
     }
   }
@@ -73,14 +78,17 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
   for (int j = 0; j < kSteps; ++j) {
     const int ch = ch0 + 512 * j + lane * 16;
     if (ch >= ch1) continue;
-    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); amax == 0: scale 1.
-    const float scale = amax[j] > 0.0f ? __fmul_rn(amax[j], kInvE4m3Max) : 1.0f;
+    // SPEC §4 / jax_ep/fp8.py: scale = amax * f32(1/448), q = e4m3(x * (1 / scale)); amax < 448 * 2^-126
+    // (zero or tiny blocks, whose scale would be subnormal): scale 1.
+    const float scale = amax[j] >= kMinAmax ? __fmul_rn(amax[j], kInvE4m3Max) : 1.0f;
     const float inv = __fdiv_rn(1.0f, scale);
     uint32_t q2[8];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float f[8];
       unpack_bf16x8(v[j][h], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = flush_subnormal(f[i]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         uint32_t pair = __nv_cvt_float2_to_fp8x2(  // f[2i] -> low byte, f[2i+1] -> high byte
