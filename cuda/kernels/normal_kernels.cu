@@ -390,18 +390,28 @@ struct Pack<float> {
   }
 };
 
+// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), spread over every warp of
+// the grid, so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
+// rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
+// result does not depend on the chunking.
+constexpr int kReduceVecs = 128;
+
 template <typename Elem>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const CombineParams p) {
   using P = Pack<Elem>;
+  constexpr int kU = kReduceVecs / 32;  // vectors per lane per item
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, me = g.rank, lane = lane_id();
   const char* self = self_base(g);
   const char* values = static_cast<const char*>(p.values);
   const int n16 = p.row_bytes / 16;
+  const int chunks = (n16 + kReduceVecs - 1) / kReduceVecs;
   const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
+  const int items = p.num_tokens * chunks;  // < 2^31: T <= max_tokens_per_rank, chunks <= H / 512
 
-  for (int t = global_warp(); t < p.num_tokens; t += num_global_warps()) {
+  for (int item = global_warp(); item < items; item += num_global_warps()) {
+    const int t = item / chunks, c = item - t * chunks;
     bool kept = false;
     int32_t row = -1;
     if (lane < R) {
@@ -413,35 +423,47 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
     const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
     const int32_t local_row = __shfl_sync(0xffffffffu, row, me);  // row of token t in `values` if kept locally
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
-    for (int i = lane; i < n16; i += 32) {
-      float acc[P::kN];
+    const int base = c * kReduceVecs + lane;
+    float acc[kU][P::kN];
 #pragma unroll
-      for (int j = 0; j < P::kN; ++j) acc[j] = 0.0f;
+    for (int u = 0; u < kU; ++u) {
 #pragma unroll
-      for (int r = 0; r < kMaxGroupRanks; ++r) {
-        if (!((kept_mask >> r) & 1u)) continue;
-        if (r == me) {
-          // `values` is this op's read-only input: nothing writes it while the kernel runs.
-          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
-          P::add(acc, ld_nc_v4(src + i));
-        } else {
-          const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
-          P::add(acc, ld_cg_v4(src + i));
-        }
-      }
-      dst[i] = P::pack(acc);
+      for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
     }
-    if (lane < p.num_weights) {
-      float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupRanks; ++r) {
+      if (!((kept_mask >> r) & 1u)) continue;
+      int4 v[kU];
+      if (r == me) {
+        // `values` is this op's read-only input: nothing writes it while the kernel runs.
+        const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
+      } else {
+        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (base + 32 * u < n16) P::add(acc[u], v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
+    if (c == 0 && lane < p.num_weights) {
+      float wacc = 0.0f;
       const float* w = reinterpret_cast<const float*>(self + B.topk_weights);
       for (int r = 0; r < R; ++r) {
         if (!((kept_mask >> r) & 1u)) continue;
         if (r == me)
-          acc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
+          wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
         else
-          acc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
+          wacc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
       }
-      p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = acc;
+      p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
     }
   }
 }
