@@ -19,6 +19,15 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& v, float f[8]) {
   }
 }
 
+// Eight floats as one 16-byte vector of bf16 (round to nearest even).
+__device__ __forceinline__ int4 pack_bf16x8(const float f[8]) {
+  int4 v;
+  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h2[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
 // One warp copies `bytes` (a multiple of 16) of peer-written data: L1-bypassing loads (ld.cg).
 __device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
   const int n16 = bytes / 16;

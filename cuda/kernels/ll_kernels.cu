@@ -1,11 +1,11 @@
 // Low-latency mode (SPEC §4): dispatch into per-expert slots and weighted combine, each as a send kernel and a
 // receive kernel (the two halves of the split custom calls; the fused op runs both back to back).
 //
-//   dispatch send   one block per token t: finds its distinct experts and its position among the tokens naming each
-//                   (token order), reads the row once (fp8: quantized once, per 128 channels) and writes one message
-//                   per expert into the owner at slot [l][me][position]; the last block publishes every expert's
-//                   count and (l, me) flag. No count exchange, no barrier: positions are known locally, so the send
-//                   never waits for a peer (except the rare "peer still reads op n-2" check).
+//   dispatch send   ll_send.cuh (one template for both modes): one block per token, its row read (fp8: quantized)
+//                   once and written once per distinct expert into the owner at slot [l][me][position]; the last
+//                   block publishes every expert's count and (l, me) flag. No count exchange, no barrier: positions
+//                   are known locally, so the send never waits for a peer (except the rare "peer still reads op
+//                   n-2" check).
 //   dispatch recv   blocks (l, part): wait for the R flags of expert l, pack rows in (source, token) order into the
 //                   XLA outputs, then the last block tells every peer "I consumed epoch n".
 //   combine send    blocks (l, part): every valid row of expert l back to its source rank, slot [global e][token];
@@ -37,95 +37,11 @@
 #include "kernels/ll_device.cuh"
 #include "kernels/ll_protocol.cuh"
 #include "kernels/ll_rank_kernels.h"
+#include "kernels/ll_send.cuh"
 #include "transport/peer.cuh"
 
 namespace jax_ep::ll {
 namespace {
-
-// ---------------------------------------------------------------------------------------------------------------
-// Dispatch send, token-major: block b takes tokens b, b + grid, ... For each token it finds its distinct valid
-// experts (slot k: the first k naming e), their positions (tokens before it naming e: the order the receiver packs),
-// reads the row ONCE (fp8: quantizes it once into shared memory) and writes one message per expert into the owner's
-// slot [l][me][position]. Per-expert counts are summed in this rank's LL scratch words (atomics); the last block
-// to finish publishes every expert's count and flag (its threads in parallel) and resets the counters.
-// NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
-// blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
-
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row) {
-  const Ctx& c = p.c;
-  const GroupCtx& g = c.g;
-  const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
-  const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
-  const int64_t half = half_offset(c.ll, epoch);
-  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch);  // [E], zero between kernels
-  __shared__ int32_t s_expert[kMaxTopk];
-  __shared__ int32_t s_pos[kMaxTopk];
-  __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
-  __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
-  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);  // token_slots' first __syncthreads orders the rest
-  const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;  // fp8: q then the S scales
-  const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
-  const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    token_slots(p.topk_idx, t, K, E, 1, s_expert, s_pos, s_part);
-    if (threadIdx.x < K && s_expert[threadIdx.x] >= 0) atomicAdd(counts + s_expert[threadIdx.x], 1u);
-    const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
-    if (p.use_fp8) {  // quantize once into shared memory: [H fp8 | S f32], the message payload as it goes out
-      for (int seg = warp; seg < nseg_in; seg += nw)
-        quantize_segment(s_row, row, H, seg * kSegChannels, min(H, (seg + 1) * kSegChannels), s_scales[warp]);
-      __syncthreads();
-    }
-    for (int item = warp; item < K * nseg_out; item += nw) {
-      const int k = item / nseg_out, seg = item % nseg_out;
-      const int e = s_expert[k];
-      if (e < 0) continue;
-      const int d = e / L, l = e % L;
-      char* msg = peer_base(g, d) + half + c.ll.rows +
-                  (static_cast<int64_t>(l * R + me) * c.max_tokens + s_pos[k]) * c.ll.msg_stride;
-      const int off = seg * kSegBytes, bytes = min(kSegBytes, payload_bytes - off);
-      if (p.use_fp8)
-        copy_segment_from_shared(msg + kLowLatencyMsgHeader + off, s_row + off, bytes);
-      else
-        copy_segment_nc(msg + kLowLatencyMsgHeader + off, reinterpret_cast<const char*>(row) + off, bytes);
-      if (seg == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);  // one 16-byte header
-    }
-    __syncthreads();  // s_expert / s_pos / s_row are reused by the next token
-  }
-}
-
-// The last block of a working send: every expert's count and flag to its owner (threads in parallel), counters
-// reset. NOTE (ordering): every block fenced its peer stores (__threadfence_system) before counting itself done;
-// the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags.
-__device__ __forceinline__ void publish_expert_counts(const DispatchSendParams& p, uint32_t epoch) {
-  const Ctx& c = p.c;
-  const GroupCtx& g = c.g;
-  const int R = g.num_ranks, me = g.rank, L = c.num_local;
-  const int64_t half = half_offset(c.ll, epoch);
-  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch);
-  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
-    const int d = e / L, l = e % L;
-    char* dst_half = peer_base(g, d) + half;
-    const int32_t n = static_cast<int32_t>(atomicExch(counts + e, 0u));
-    *reinterpret_cast<volatile int32_t*>(dst_half + c.ll.d_counts + 4 * (l * R + me)) = n;
-    __threadfence_system();
-    st_release_sys(header_word(dst_half, c.ll.d_flags + 4 * (l * R + me)), epoch);
-  }
-}
-
-__global__ void __launch_bounds__(kSendThreads) ll_dispatch_send_kernel(const DispatchSendParams p) {
-  extern __shared__ __align__(16) char s_row[];  // fp8: one quantized message payload (H + 4 * H/128 bytes)
-  __shared__ Gate s_gate;
-  __shared__ int32_t s_last;
-  if (threadIdx.x == 0)
-    open_send(p.c.g, p.io, p.fused, p.num_tokens,
-              p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
-  __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, s_row);  // block-uniform
-  if (!last_block_all(ll_word(p.c.g, SignalHeader::kLlSendDone), &s_last)) return;
-  if (s_gate.work) publish_expert_counts(p, s_gate.epoch);
-  __syncthreads();
-  if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
@@ -183,11 +99,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
 }
 
 __global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const DispatchRecvParams p) {
-  __shared__ Gate s_gate;
-  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
-  __syncthreads();
-  if (s_gate.work) dispatch_recv_body(p, s_gate.epoch);  // block-uniform
-  finish_recv(p.c.g, p.io, s_gate);
+  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -276,20 +188,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, ui
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
     }
-    int4 o;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    const int4 o = pack_bf16x8(acc);
     reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
   }
 }
 
 __global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(const CombineRecvParams p) {
-  __shared__ Gate s_gate;
-  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
-  __syncthreads();
-  if (s_gate.work) combine_recv_body(p, s_gate.epoch);  // block-uniform
-  finish_recv(p.c.g, p.io, s_gate);
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
 }
 
 // Blocks per expert so that a call spreads over about two blocks per SM.
@@ -303,20 +208,23 @@ int parts_per_expert(const Ctx& c, int max_parts) {
 
 Status preload_kernels() {
   JAX_EP_RETURN_IF_ERROR(rank::preload_kernels());
-  return preload({reinterpret_cast<const void*>(ll_dispatch_send_kernel),
+  return preload({reinterpret_cast<const void*>(ll_dispatch_send_kernel<false>),
+                  reinterpret_cast<const void*>(ll_dispatch_send_kernel<true>),
                   reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(ll_combine_send_kernel),
                   reinterpret_cast<const void*>(ll_combine_recv_kernel)});
 }
 
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
-  if (p.per_rank) return rank::launch_dispatch_send(p, stream);
   const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
   const int grid = std::max(1, std::min(p.num_tokens, 2 * sms));  // one block per token (T = 0: one block)
   const int smem = send_shared_bytes(p.use_fp8, p.c.hidden);
   JAX_EP_RETURN_IF_ERROR(check_send_shared(smem, p.c.hidden));
-  ll_dispatch_send_kernel<<<grid, kSendThreads, smem, stream>>>(p);
-  return launched("low-latency dispatch send");
+  if (p.per_rank)
+    ll_dispatch_send_kernel<true><<<grid, kSendThreads, smem, stream>>>(p);
+  else
+    ll_dispatch_send_kernel<false><<<grid, kSendThreads, smem, stream>>>(p);
+  return launched(p.per_rank ? "low-latency dispatch send (per_rank)" : "low-latency dispatch send");
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {

@@ -165,4 +165,14 @@ __device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io
   write_state(io, gate);
 }
 
+// The frame of every receive kernel: open (block-uniform decision), body(epoch) only when the op works, finish.
+template <typename Params, typename Body>
+__device__ __forceinline__ void receive_frame(const Params& p, Body body) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
+  __syncthreads();
+  if (s_gate.work) body(s_gate.epoch);  // block-uniform
+  finish_recv(p.c.g, p.io, s_gate);
+}
+
 }  // namespace jax_ep::ll

@@ -2,10 +2,9 @@
 // rank) instead of one per (token, expert); the outputs are those of per_expert mode (ll_kernels.cu), plus the
 // handle's message tables.
 //
-//   dispatch send   one block per token t: its distinct destination ranks and its position among the tokens sent
-//                   to each (token order); the row read (fp8: quantized) once and written once per rank into
-//                   [me][position] with a header naming the local expert of every top-k slot; the last block
-//                   publishes each rank's message count and flag.
+//   dispatch send   ll_send.cuh (shared with per_expert mode, launched from ll_kernels.cu): one block per token,
+//                   one message per destination rank into [me][position], with a header naming the local expert
+//                   of every top-k slot; the last block publishes each rank's message count and flag.
 //   dispatch recv   blocks (l, part): wait for every source's flag; for each source s in rank order, scan its
 //                   messages in order, pick those naming l, pack them into recv_x[l] (same row order as per_expert:
 //                   source rank, then token) and fill src_info, layout_range, token_rows; expert 0's blocks also
@@ -38,81 +37,6 @@ namespace {
 
 __device__ __forceinline__ uint32_t* rank_word(char* half_base, const LowLatencyLayout& ll, int word) {
   return header_word(half_base, ll.rank_words + 4 * word);
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row) {
-  const Ctx& c = p.c;
-  const GroupCtx& g = c.g;
-  const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
-  const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
-  const int64_t half = half_offset(c.ll, epoch);
-  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.ll.scratch);  // [R], zero between kernels
-  __shared__ int32_t s_dest[kMaxTopk];
-  __shared__ int32_t s_pos[kMaxTopk];
-  __shared__ int32_t s_ids[kMaxTopk];
-  __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
-  __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
-  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);  // token_slots' first __syncthreads orders the rest
-  const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
-  const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
-  const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    if (threadIdx.x < K) s_ids[threadIdx.x] = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + threadIdx.x);
-    token_slots(p.topk_idx, t, K, E, L, s_dest, s_pos, s_part);  // destinations = ranks
-    if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
-    const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
-    if (p.use_fp8) {
-      for (int seg = warp; seg < nseg_in; seg += nw)
-        quantize_segment(s_row, row, H, seg * kSegChannels, min(H, (seg + 1) * kSegChannels), s_scales[warp]);
-      __syncthreads();
-    }
-    for (int item = warp; item < K * nseg_out; item += nw) {
-      const int k = item / nseg_out, seg = item % nseg_out;
-      const int d = s_dest[k];
-      if (d < 0) continue;
-      char* msg = peer_base(g, d) + half + c.ll.rows +
-                  (static_cast<int64_t>(me) * c.max_tokens + s_pos[k]) * c.ll.rank_msg_stride;
-      const int off = seg * kSegBytes, bytes = min(kSegBytes, payload_bytes - off);
-      if (p.use_fp8)
-        copy_segment_from_shared(msg + kRankMsgHeader + off, s_row + off, bytes);
-      else
-        copy_segment_nc(msg + kRankMsgHeader + off, reinterpret_cast<const char*>(row) + off, bytes);
-      if (seg == 0) {  // the header: token, then the local expert of every top-k slot on rank d (-1 elsewhere)
-        if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-        if (lane < kMaxTopk) {
-          const int32_t e = lane < K ? s_ids[lane] : -1;
-          const bool here = routing::valid_expert(e, E) && e / L == d;
-          reinterpret_cast<int32_t*>(msg + 16)[lane] = here ? e % L : -1;
-        }
-      }
-    }
-    __syncthreads();  // s_dest / s_pos / s_ids / s_row are reused by the next token
-  }
-}
-
-__global__ void __launch_bounds__(kSendThreads) ll_rank_dispatch_send_kernel(const DispatchSendParams p) {
-  extern __shared__ __align__(16) char s_row[];
-  __shared__ Gate s_gate;
-  __shared__ int32_t s_last;
-  if (threadIdx.x == 0)
-    open_send(p.c.g, p.io, p.fused, p.num_tokens,
-              p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
-  __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, s_row);  // block-uniform
-  if (!last_block_all(ll_word(p.c.g, SignalHeader::kLlSendDone), &s_last)) return;
-  const GroupCtx& g = p.c.g;
-  if (s_gate.work && threadIdx.x < g.num_ranks) {  // every rank gets this rank's count and flag, 0 messages too
-    const int d = threadIdx.x;
-    char* dst_half = peer_base(g, d) + half_offset(p.c.ll, s_gate.epoch);
-    uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + p.c.ll.scratch);
-    const int32_t n = static_cast<int32_t>(atomicExch(counts + d, 0u));
-    *reinterpret_cast<volatile int32_t*>(rank_word(dst_half, p.c.ll, RankWord::kCounts + g.rank)) = n;
-    __threadfence_system();
-    st_release_sys(rank_word(dst_half, p.c.ll, RankWord::kFlags + g.rank), s_gate.epoch);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) finish_send_last(g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -208,11 +132,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
 }
 
 __global__ void __launch_bounds__(kThreads) ll_rank_dispatch_recv_kernel(const DispatchRecvParams p) {
-  __shared__ Gate s_gate;
-  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
-  __syncthreads();
-  if (s_gate.work) dispatch_recv_body(p, s_gate.epoch);  // block-uniform
-  finish_recv(p.c.g, p.io, s_gate);
+  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -288,10 +208,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
         }
-        int4 o;
-        __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        const int4 o = pack_bf16x8(acc);
         st_v4(reinterpret_cast<int4*>(dst) + ci, o);
       }
     }
@@ -352,20 +269,13 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, ui
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += f[i];
     }
-    int4 o;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    const int4 o = pack_bf16x8(acc);
     reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
   }
 }
 
 __global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_recv_kernel(const CombineRecvParams p) {
-  __shared__ Gate s_gate;
-  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
-  __syncthreads();
-  if (s_gate.work) combine_recv_body(p, s_gate.epoch);  // block-uniform
-  finish_recv(p.c.g, p.io, s_gate);
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
 }
 
 int sms_of(const Ctx& c) { return c.sm_count > 0 ? c.sm_count : 132; }
@@ -373,19 +283,10 @@ int sms_of(const Ctx& c) { return c.sm_count > 0 ? c.sm_count : 132; }
 }  // namespace
 
 Status preload_kernels() {
-  return preload({reinterpret_cast<const void*>(ll_rank_dispatch_send_kernel),
-                  reinterpret_cast<const void*>(ll_rank_dispatch_recv_kernel),
+  return preload({reinterpret_cast<const void*>(ll_rank_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(ll_rank_combine_push_kernel),
                   reinterpret_cast<const void*>(ll_rank_combine_send_kernel),
                   reinterpret_cast<const void*>(ll_rank_combine_recv_kernel)});
-}
-
-Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
-  const int grid = std::max(1, std::min(p.num_tokens, 2 * sms_of(p.c)));  // one block per token (T = 0: one)
-  const int smem = send_shared_bytes(p.use_fp8, p.c.hidden);
-  JAX_EP_RETURN_IF_ERROR(check_send_shared(smem, p.c.hidden));
-  ll_rank_dispatch_send_kernel<<<grid, kSendThreads, smem, stream>>>(p);
-  return launched("low-latency dispatch send (per_rank)");
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 // Launchers of the low-latency per_rank kernels (ll_rank_kernels.cu); ll_kernels.cu's launchers call them when a
-// params struct says per_rank. Same parameter structs as per_expert mode (ll_params.h).
+// params struct says per_rank (the dispatch send is one template for both modes: ll_send.cuh). Same parameter
+// structs as per_expert mode (ll_params.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,7 +11,6 @@
 namespace jax_ep::ll::rank {
 
 Status preload_kernels();
-Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream);
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);  // weight push + partial sums
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);

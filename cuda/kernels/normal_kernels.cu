@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "common/copy.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
 #include "common/routing.cuh"
@@ -365,13 +366,7 @@ struct Pack<__nv_bfloat16> {
       acc[2 * i + 1] += f.y;
     }
   }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return v;
-  }
+  __device__ static int4 pack(const float* acc) { return pack_bf16x8(acc); }
 };
 template <>
 struct Pack<float> {

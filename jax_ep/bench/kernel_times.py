@@ -14,13 +14,12 @@ import statistics
 import tempfile
 
 
-def kernel_times(fn, args, patterns: dict, iterations: int = 20) -> dict:
-    """Runs fn(*args) `iterations` times under the profiler; for each label -> substring in `patterns`, returns
-    (launches seen, median duration in us) of the kernels whose name contains the substring. Raises RuntimeError
-    when the profiler produced no trace (e.g. no CUPTI)."""
+def trace_events(fn, args, iterations: int = 20) -> list:
+    """Runs fn(*args) once untraced (compiled and warm), then `iterations` times under the profiler; returns the
+    perfetto trace's events. Raises RuntimeError when the profiler produced no trace (e.g. no CUPTI)."""
     import jax
 
-    jax.block_until_ready(fn(*args))  # compiled and warm before tracing
+    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder, create_perfetto_trace=True)
         try:
@@ -34,7 +33,14 @@ def kernel_times(fn, args, patterns: dict, iterations: int = 20) -> dict:
         if not files:
             raise RuntimeError(f"the profiler wrote no perfetto trace under {folder}")
         with gzip.open(files[0], "rt") as f:
-            events = json.load(f).get("traceEvents", [])
+            return json.load(f).get("traceEvents", [])
+
+
+def kernel_times(fn, args, patterns: dict, iterations: int = 20) -> dict:
+    """Runs fn(*args) `iterations` times under the profiler; for each label -> substring in `patterns`, returns
+    (launches seen, median duration in us) of the kernels whose name contains the substring. Raises RuntimeError
+    when the profiler produced no trace (e.g. no CUPTI)."""
+    events = trace_events(fn, args, iterations)
     found = {label: [] for label in patterns}
     for ev in events:
         name, dur = ev.get("name", ""), ev.get("dur")

@@ -12,13 +12,10 @@ when calls are pipelined (throughput). The raw events of the traced steps go to 
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -30,6 +27,7 @@ import jax_ep
 
 from .contenders import AXIS, _setup
 from .harness import to_global
+from .kernel_times import trace_events
 
 
 def _program(kind, devices, tokens, hidden, topk, experts, seed, scale=1.0):
@@ -49,21 +47,6 @@ def _program(kind, devices, tokens, hidden, topk, experts, seed, scale=1.0):
 
     fn = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
     return fn, (x, to_global(idx, mesh, spec), w)
-
-
-def _trace(fn, args, steps):
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
-        try:
-            for _ in range(steps):
-                jax.block_until_ready(fn(*args))
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(folder, "**", "*perfetto_trace.json.gz"), recursive=True)
-        if not files:
-            raise RuntimeError(f"the profiler wrote no perfetto trace under {folder}")
-        with gzip.open(files[0], "rt") as f:
-            return json.load(f).get("traceEvents", [])
 
 
 def _names(events):
@@ -136,7 +119,7 @@ def main(argv=None) -> int:
     print(f"{a.program} T={a.tokens} on {len(devices)} GPU(s): wall per step {statistics.median(lat):.1f} us "
           f"(each waited for, median of 50), {pipe:.1f} us (50 pipelined calls)")
 
-    events = _trace(fn, args, a.steps)
+    events = trace_events(lambda *xs: jax.block_until_ready(fn(*xs)), args, a.steps)  # one waited step each
     procs, threads = _names(events)
     dev = sorted((ev for ev in events if ev.get("ph") == "X" and _is_device(procs.get(ev.get("pid"), ""))),
                  key=lambda ev: ev["ts"])
