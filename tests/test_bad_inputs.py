@@ -456,3 +456,34 @@ def test_ops_pass_jax_check_tracer_leaks():
         y = np.asarray(run(body, x, idx, w), np.float32)
         dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     assert np.isfinite(y).all() and np.isfinite(np.asarray(dx, np.float32)).all()
+
+
+# ---- low-latency modes -----------------------------------------------------------------------------------------------
+def test_low_latency_combine_of_a_per_expert_handle_with_a_per_rank_config():
+    x, idx, w = inputs()
+
+    def body(x, i, w):
+        out = jax_ep.low_latency_dispatch(x, i, cfg(low_latency_mode="per_expert"), use_fp8=False)
+        return jax_ep.low_latency_combine(out.recv_x, i, w, out.handle, cfg(low_latency_mode="per_rank"))
+
+    with raises(jax_ep.EPError, "jax_ep.low_latency_combine", "per_rank", "msg_token", "per_expert"):
+        trace(body, x, idx, w)
+
+
+@pytest.mark.parametrize("mode", ["", "per-rank", "PER_RANK", None, 1])
+def test_bad_low_latency_mode(mode):
+    with raises(jax_ep.EPError, "EPConfig.low_latency_mode", repr(mode)):
+        cfg(low_latency_mode=mode)
+
+
+@pytest.mark.parametrize("num_ranks,topk,expected", [(1, 1, "per_expert"), (2, 1, "per_expert"),
+                                                     (2, 2, "per_expert"), (2, 4, "per_rank"),
+                                                     (2, 8, "per_rank"), (4, 4, "per_expert"),
+                                                     (4, 8, "per_rank"), (8, 8, "per_rank")])
+def test_auto_low_latency_mode_follows_the_documented_rule(num_ranks, topk, expected):
+    c = jax_ep.EPConfig(64, H, topk, T, low_latency_mode="auto")
+    rows = num_ranks * (1 - (1 - 1 / num_ranks) ** topk)  # expected distinct ranks per token, uniform routing
+    assert (rows <= 2 / 3 * topk) == (expected == "per_rank")
+    assert c.low_latency_mode_for(num_ranks) == expected
+    for fixed in ("per_expert", "per_rank"):
+        assert jax_ep.EPConfig(64, H, topk, T, low_latency_mode=fixed).low_latency_mode_for(num_ranks) == fixed
