@@ -1,6 +1,6 @@
 """Timeline of one jitted low-latency call: every device operation and the host work around it (JAX profiler).
 
-    python -m jax_ep.bench.timeline --tokens 128 [--program decode|dispatch|combine] [--out DIR]
+    python -m jax_ep.bench.timeline --tokens 128 [--program decode|dispatch] [--ll-mode per_rank] [--out DIR]
 
 Runs a decode-step program (LL dispatch fp8 -> an expert transform -> LL combine, one jitted call per step, as a
 decode loop calls it) under the profiler and prints, for one steady-state step: each device operation (kernels,
@@ -30,10 +30,10 @@ from .harness import to_global
 from .kernel_times import trace_events
 
 
-def _program(kind, devices, tokens, hidden, topk, experts, seed, scale=1.0):
+def _program(kind, devices, tokens, hidden, topk, experts, seed, scale=1.0, ll_mode="per_expert"):
     """The decode-step program; `scale` only makes programs of different identity (separate compiles)."""
     ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, np.random.default_rng(seed),
-                                         "cuda", 24)
+                                         "cuda", 24, ll_mode)
     spec = P(AXIS)
     jax_ep.initialize(mesh, cfg)
 
@@ -75,7 +75,8 @@ def first_call_figures(a, devices):
     jax_ep.warmup before it (a different program each, so neither benefits from the other's first run)."""
     rows = []
     for n, warm in enumerate((False, True)):
-        fn, args = _program(a.program, devices, a.tokens, a.hidden, a.topk, a.experts, 0, scale=1.0 + n)
+        fn, args = _program(a.program, devices, a.tokens, a.hidden, a.topk, a.experts, 0, scale=1.0 + n,
+                            ll_mode=a.ll_mode)
         compiled = fn.lower(*args).compile()
         if warm:
             jax_ep.warmup(compiled, *args)
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--program", choices=["decode", "dispatch"], default="decode")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ll-mode", choices=["per_expert", "per_rank", "auto"], default="per_expert",
+                   help="EPConfig.low_latency_mode of the program")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     devices = [d for d in jax.devices() if d.platform == "gpu"]
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
         print("timeline: needs CUDA GPUs (the profiler's device events); found none")
         return 0
     first_call_figures(a, devices)
-    fn, args = _program(a.program, devices, a.tokens, a.hidden, a.topk, a.experts, 0)
+    fn, args = _program(a.program, devices, a.tokens, a.hidden, a.topk, a.experts, 0, ll_mode=a.ll_mode)
     jax_ep.warmup(fn, *args, calls=3)
     # wall per step: each call waited for (a decode step's latency), and pipelined (dispatch throughput)
     lat = []
@@ -123,14 +126,14 @@ def main(argv=None) -> int:
     procs, threads = _names(events)
     dev = sorted((ev for ev in events if ev.get("ph") == "X" and _is_device(procs.get(ev.get("pid"), ""))),
                  key=lambda ev: ev["ts"])
-    starts = [ev["ts"] for ev in dev if "ll_dispatch_send" in ev.get("name", "")]
+    starts = [ev["ts"] for ev in dev if "dispatch_send_kernel" in ev.get("name", "")]
     if len(starts) < 3:
         print(f"timeline: found {len(starts)} dispatch-send kernels in the trace; processes: {sorted(set(procs.values()))}")
         return 1
     # one steady step on the first device: from its dispatch send to the next one
-    first_pid = next(ev["pid"] for ev in dev if "ll_dispatch_send" in ev.get("name", ""))
+    first_pid = next(ev["pid"] for ev in dev if "dispatch_send_kernel" in ev.get("name", ""))
     mine = [ev for ev in dev if ev["pid"] == first_pid]
-    sends = [ev["ts"] for ev in mine if "ll_dispatch_send" in ev.get("name", "")]
+    sends = [ev["ts"] for ev in mine if "dispatch_send_kernel" in ev.get("name", "")]
     lo, hi = sends[-3], sends[-2]
     step = [ev for ev in mine if lo - 50 <= ev["ts"] < hi - 50]
     print(f"\ndevice operations of one step ({procs.get(first_pid, first_pid)}), {hi - lo:.1f} us from send to send:")
