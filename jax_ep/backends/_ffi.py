@@ -108,25 +108,25 @@ def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_lo
     return _call("jax_ep_dispatch_v2", types, x, x_scales, topk_idx, topk_weights, **attrs)
 
 
-def cached_dispatch(payload, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset,
-                    *, attrs):
-    """jax_ep_cached_dispatch_v2. weights [T, Kw] f32 (Kw = 0: none). -> (recv [C, W], recv_weights [C, Kw])."""
-    ops = match_varying(payload, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset)
-    payload, weights = ops[0], ops[1]
-    C = recv_src_idx.shape[0]
-    types = (result_type(payload, (C, payload.shape[1]), payload.dtype),
-             result_type(payload, (C, weights.shape[1]), jnp.float32))
-    return _call("jax_ep_cached_dispatch_v2", types, *ops, **attrs)
+def _move_rows(target, rows, weights, handle, out_rows, attrs):
+    """The two targets that move rows along a dispatch handle (send_pos, recv_src_idx, recv_src_rank,
+    recv_rank_counts, send_row_offset): rows [N, W] and weights [N, Kw] f32 (Kw = 0: none) -> [out_rows, W] rows of
+    rows' dtype and [out_rows, Kw] f32."""
+    ops = match_varying(rows, weights, *handle)
+    rows, weights = ops[0], ops[1]
+    types = (result_type(rows, (out_rows, rows.shape[1]), rows.dtype),
+             result_type(rows, (out_rows, weights.shape[1]), jnp.float32))
+    return _call(target, types, *ops, **attrs)
 
 
-def combine(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset, *, attrs):
-    """jax_ep_combine_v2. weights [C, Kw] f32 (Kw = 0: none). -> (y [T, W], y_weights [T, Kw])."""
-    ops = match_varying(values, weights, send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset)
-    values, weights = ops[0], ops[1]
-    T = send_pos.shape[0]
-    types = (result_type(values, (T, values.shape[1]), values.dtype),
-             result_type(values, (T, weights.shape[1]), jnp.float32))
-    return _call("jax_ep_combine_v2", types, *ops, **attrs)
+def cached_dispatch(payload, weights, *handle, attrs):
+    """jax_ep_cached_dispatch_v2: payload [T, W] and weights [T, Kw] to the receivers -> ([C, W], [C, Kw])."""
+    return _move_rows("jax_ep_cached_dispatch_v2", payload, weights, handle, handle[1].shape[0], attrs)
+
+
+def combine(values, weights, *handle, attrs):
+    """jax_ep_combine_v2: values [C, W] and weights [C, Kw] back to the sources, summed -> ([T, W], [T, Kw])."""
+    return _move_rows("jax_ep_combine_v2", values, weights, handle, handle[0].shape[0], attrs)
 
 
 # ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ time all contenders on one input. Each returns the received rows (and what the m
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -52,6 +52,20 @@ def require(num_gpus: int) -> None:
         pytest.skip(reason)
 
 
+def upto(num_gpus: int) -> int:
+    """min(num_gpus, GPUs here), at least 1 (pytest.skip without a GPU or the extension): tests that run on
+    whatever the machine has."""
+    n = max(1, min(num_gpus, len(gpu_devices())))
+    require(n)
+    return n
+
+
+def rel_error(a, b) -> float:
+    """max |a - b| relative to max(1, max |b|), in f64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b))))
+
+
 def assert_grads_close(got, want, names, rtol=1e-2):
     """Each gradient of `got` is finite and within rtol (relative L2 norm) of the same one of `want`."""
     for a, b, name in zip(got, want, names):

@@ -20,17 +20,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from intranode_harness import assert_grads_close, require as _require
+from intranode_harness import assert_grads_close, rel_error as _rel, require as _require, upto as _upto
 
 E, H, K, T_MAX = 32, 2048, 8, 128
-
-
-def _upto(ranks):
-    """min(ranks, GPUs here), at least 1 (skips without a GPU): multi-call tests run on what the machine has."""
-    have = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
-    n = max(1, min(ranks, have))
-    _require(n)
-    return n
 
 
 def _mesh(ranks):
@@ -149,11 +141,6 @@ def _round_trip_program(cfg, mesh, split):
         return y, out.handle.src_info
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b))))
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])

@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from intranode_harness import assert_grads_close, require as _require
+from intranode_harness import assert_grads_close, rel_error as _rel, require as _require, upto
 
 E, H, K, T_MAX = 32, 2048, 8, 128
 
@@ -66,6 +66,15 @@ def _dispatch_program(cfg, mesh, use_fp8, split):
         return (out.recv_x, scales, out.recv_count, h.src_info, h.layout_range) + tables
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep")))
+
+
+def _group_upto(ranks):
+    """(R, mesh, cuda config, reference config) over min(ranks, GPUs here) GPUs, initialized."""
+    R = upto(ranks)
+    mesh = _mesh(R)
+    cuda, ref = _cfg("cuda"), _cfg("reference")
+    jax_ep.initialize(mesh, cuda, ref)
+    return R, mesh, cuda, ref
 
 
 def _fp8_codes_close(a, b):
@@ -122,11 +131,6 @@ def _round_trip_program(cfg, mesh, split):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b))))
-
-
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 @pytest.mark.parametrize("tokens", [1, 64, 128])
 @pytest.mark.parametrize("split", [False, True])
@@ -146,12 +150,7 @@ def test_combine_matches_reference(ranks, tokens, split):
 
 def test_chained_calls_in_scan_with_changing_routing():
     """100 dispatch + combine steps in lax.scan, new random routing (with -1 and out-of-range ids) every step."""
-    have = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
-    R = max(1, min(4, have))
-    _require(R)
-    mesh = _mesh(R)
-    cuda, ref = _cfg("cuda"), _cfg("reference")
-    jax_ep.initialize(mesh, cuda, ref)
+    R, mesh, cuda, ref = _group_upto(4)
 
     def program(cfg):
         def body(x, key):
@@ -180,12 +179,7 @@ def test_chained_calls_in_scan_with_changing_routing():
 
 
 def test_gradients_match_reference():
-    have = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
-    R = max(1, min(4, have))
-    _require(R)
-    mesh = _mesh(R)
-    cuda, ref = _cfg("cuda"), _cfg("reference")
-    jax_ep.initialize(mesh, cuda, ref)
+    R, mesh, cuda, ref = _group_upto(4)
     rng = np.random.default_rng(21)
     x, idx, w = _inputs(rng, R, 64)
     w = jnp.where(idx >= 0, w, 0.0)  # finite weights: the gradient reaches every slot
