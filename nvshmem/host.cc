@@ -11,6 +11,10 @@
 #include <utility>
 #include <vector>
 
+#if JAX_EP_NVSHMEM_DEVICE
+#include "device/device_check.h"
+#endif
+
 namespace jax_ep {
 namespace nvshmem_host {
 namespace {
@@ -111,10 +115,22 @@ Status init(int rank, int nranks, const std::string& unique_id, int device_ordin
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   int rc = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr);
   if (rc != 0) return Status::Error("nvshmemx_set_attr_uniqueid_args failed with status " + std::to_string(rc));
-  // NOTE: the host-library init (what nvshmem4py uses) instead of the header's inline nvshmemx_init_attr: that one
-  // calls nvshmemi_init_thread, which lives in the device library (not linked here), and exit()s on failure.
+#if JAX_EP_NVSHMEM_DEVICE
+  // NOTE: what the header's inline nvshmemx_init_attr does, minus its exit() on failure: nvshmemi_init_thread (in
+  // the device library linked into THIS module) initializes the host library and fills this module's device state
+  // (nvshmemi_device_state_d), which the kernels of this module read on every NVSHMEM device call. An init from
+  // another binary would leave that state empty here.
+  int provided = 0;
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+  if (rc != 0) return Status::Error("nvshmemi_init_thread (nvshmemx_init_attr) failed with status " + std::to_string(rc));
+#else
+  // NOTE: the host-library init (what nvshmem4py uses): without the device library (not in this build) there is
+  // no device state to fill, and the header's inline nvshmemx_init_attr would not link.
   rc = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
   if (rc != 0) return Status::Error("nvshmemx_hostlib_init_attr failed with status " + std::to_string(rc));
+#endif
   const int st = nvshmemx_init_status();
   if (st < NVSHMEM_STATUS_IS_INITIALIZED)
     return Status::Error("NVSHMEM init returned but nvshmemx_init_status() is " + std::to_string(st) +
@@ -308,10 +324,59 @@ Status finalize() {
   s.teams.clear();
   for (auto& [addr, bytes] : s.buffers) nvshmem_free(reinterpret_cast<void*>(addr));
   s.buffers.clear();
+#if JAX_EP_NVSHMEM_DEVICE
+  nvshmem_finalize();  // clears this module's device state, then the host library
+#else
   nvshmemx_hostlib_finalize();
+#endif
   s.initialized = false;
   s.finalized = true;
   return st;
+}
+
+bool has_device_library() { return JAX_EP_NVSHMEM_DEVICE != 0; }
+
+Status device_check(double timeout_s, std::vector<int32_t>* out) {
+#if JAX_EP_NVSHMEM_DEVICE
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  JAX_EP_RETURN_IF_ERROR(need_initialized(s, "device_check"));
+  if (!(timeout_s > 0.0)) return Status::Error("device_check: timeout_s must be > 0");
+  JAX_EP_RETURN_IF_ERROR(select_device(s));
+  const size_t bytes = rdma::check_buffer_bytes(s.n_pes);
+  char* buf = static_cast<char*>(nvshmem_align(kBufferAlign, bytes));
+  if (buf == nullptr) return Status::Error("device_check: nvshmem_align(" + std::to_string(bytes) + ") returned null");
+  rdma::CheckResult* result = nullptr;
+  cudaStream_t stream = nullptr;
+  Status st = CudaStatus(cudaMalloc(&result, sizeof(rdma::CheckResult)), "cudaMalloc", __FILE__, __LINE__);
+  if (st.ok()) st = CudaStatus(cudaMemset(buf, 0, bytes), "cudaMemset", __FILE__, __LINE__);
+  if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
+                               __FILE__, __LINE__);
+  if (st.ok()) st = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize", __FILE__, __LINE__);
+  // NOTE: every PE reaches both barriers whatever failed locally (collectives); the kernel's waits are bounded, so
+  // a PE whose kernel did not run makes the others report it missing instead of hanging them.
+  nvshmem_barrier_all();  // every PE's buffer is zero before any PE's kernel writes into it
+  rdma::CheckResult host{};
+  if (st.ok())
+    st = rdma::launch_device_check(buf, s.n_pes, static_cast<uint64_t>(timeout_s * 1e9), result, stream);
+  if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "device check kernel", __FILE__, __LINE__);
+  if (st.ok())
+    st = CudaStatus(cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost), "cudaMemcpy", __FILE__,
+                    __LINE__);
+  nvshmem_barrier_all();  // no PE frees the buffer while another still reads or writes it
+  nvshmem_free(buf);
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  if (result != nullptr) cudaFree(result);
+  JAX_EP_RETURN_IF_ERROR(st);
+  const int32_t* words = reinterpret_cast<const int32_t*>(&host);
+  out->assign(words, words + rdma::CheckResult::kWords);
+  return Status::Ok();
+#else
+  (void)timeout_s;
+  (void)out;
+  return Status::Error("device_check: this jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library "
+                       "(lib/libnvshmem_device.a of the nvidia-nvshmem-cu13 wheel)");
+#endif
 }
 
 size_t allocated_bytes() {

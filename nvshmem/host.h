@@ -1,7 +1,9 @@
 // NVSHMEM host runtime for the one-process-per-GPU model: bootstrap, teams, symmetric buffers, peer pointers.
 //
-// Host-only: this links libnvshmem_host.so.3 and nothing of NVSHMEM's device library. jax_ep's kernels never call
-// NVSHMEM; they get plain load/store peer pointers (nvshmem_ptr) through jax_ep::register_external_group.
+// Links libnvshmem_host.so.3 and, when the wheel has it, NVSHMEM's device library (libnvshmem_device.a, relocatable
+// device code linked into this module: JAX_EP_NVSHMEM_DEVICE=1), so that kernels of this module can call NVSHMEM
+// device functions (put-with-signal, signal ops: device/). The kernels of jax_ep._jax_ep_native never call NVSHMEM;
+// they get plain load/store peer pointers (nvshmem_ptr) through jax_ep::register_external_group.
 //
 // Every function validates its arguments and the library state BEFORE calling NVSHMEM, because NVSHMEM reports
 // many errors by calling exit(). Errors come back as jax_ep::Status values; nothing here throws or exits.
@@ -13,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "jax_ep/status.h"
 
@@ -61,6 +64,14 @@ Status free_buffer(uintptr_t addr);
 Status barrier_all();
 // Collective: barrier, destroys the teams and frees the buffers still alive, then nvshmemx_hostlib_finalize.
 Status finalize();
+
+// Whether this module was built with NVSHMEM's device library (kernels here may call NVSHMEM device functions; init
+// then fills their device state). Without it only the host runtime above exists.
+bool has_device_library();
+// Collective: the device-API check (device/device_check.h) over a scratch symmetric buffer: *out = the
+// CheckResult words of this PE (my_pe, n_pes, complete, bad_payloads, bad_counts, first_missing, missing word
+// low/high). Each PE's kernel waits at most timeout_s for the others. Error without the device library.
+Status device_check(double timeout_s, std::vector<int32_t>* out);
 
 // Bytes currently allocated through malloc_zeroed, and the number of live teams made by team_split_strided.
 size_t allocated_bytes();

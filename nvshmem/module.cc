@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "host.h"
 
@@ -124,6 +125,22 @@ NB_MODULE(_jax_ep_nvshmem, m) {
   m.def(
       "finalize", []() { blocking([] { return nh::finalize(); }); },
       "Collective: destroys live teams, frees live buffers, finalizes NVSHMEM (no init afterwards in this process)");
+  m.def("has_device_library", &nh::has_device_library,
+        "whether this module holds NVSHMEM's device library (device-side puts and signals)");
+  m.def(
+      "device_check",
+      [](double timeout_s) {
+        std::vector<int32_t> w;
+        blocking([&] { return nh::device_check(timeout_s, &w); });
+        nb::dict d;
+        const char* names[] = {"my_pe", "n_pes", "complete", "bad_payloads", "bad_counts", "first_missing",
+                               "missing_low", "missing_high"};
+        for (size_t i = 0; i < w.size(); ++i) d[names[i]] = w[i];
+        return d;
+      },
+      nb::arg("timeout_s"),
+      "Collective: every PE sends counted put-with-signal messages to every PE from a kernel and checks what it "
+      "received (dict of what this PE saw; complete == n_pes and zero bad counts/payloads when all is well)");
   m.def("allocated_bytes", &nh::allocated_bytes);
   m.def("live_teams", &nh::live_teams);
 }

@@ -23,8 +23,9 @@ def client():
                       f"(jax_ep/runtime/kv.py) was checked on jax {', '.join(CHECKED_JAX_VERSIONS)}") from None
     c = getattr(getattr(distributed, "global_state", None), "client", None)
     if c is None:
-        raise EPError("jax_ep: several JAX processes but no jax.distributed client; call jax.distributed.initialize "
-                      "(python -m jax_ep.launch does) before jax_ep.initialize")
+        raise EPError("jax_ep: the one-process-per-GPU transport (several JAX processes, or JAX_EP_TRANSPORT=nvshmem) "
+                      "needs a jax.distributed client; call jax.distributed.initialize (python -m jax_ep.launch "
+                      "does, also with -n 1) before jax_ep.initialize")
     return c
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from .. import _native
 from ..config import EPConfig
 from ..errors import EPError
+from .transport import requested as requested_transport
 
 log = logging.getLogger("jax_ep")
 
@@ -170,9 +171,15 @@ def resolve_backend(cfg: EPConfig, platform: str | None = None) -> str:
     return chosen
 
 
+def _one_process_per_gpu() -> bool:
+    """Whether CUDA configs of this job use the one-process-per-GPU transport (NVSHMEM): several processes, or one
+    process with JAX_EP_TRANSPORT=nvshmem (runtime/transport.py)."""
+    return jax.process_count() > 1 or requested_transport() == "nvshmem"
+
+
 def _nvshmem_missing() -> str | None:
-    """Why the one-process-per-GPU transport is unavailable (None when it is, or with one process)."""
-    if jax.process_count() == 1:
+    """Why the one-process-per-GPU transport is unavailable (None when it is, or when it is not used)."""
+    if not _one_process_per_gpu():
         return None
     from . import nvshmem
 
@@ -245,8 +252,10 @@ def _build(mesh, configs, retired: list) -> Runtime:
         backends[cfg] = resolve_backend(cfg, platform)
         groups.setdefault(cfg.axis_name, groups_for_axis)
     timings["plan"] = time.perf_counter() - t0
-    multi = jax.process_count() > 1
+    requested_transport()  # a bad JAX_EP_TRANSPORT is an error whatever the backends
     cuda_configs = [c for c, b in backends.items() if b == "cuda"]
+    # one process per GPU (NVSHMEM): several processes, or CUDA configs with JAX_EP_TRANSPORT=nvshmem
+    multi = jax.process_count() > 1 or (bool(cuda_configs) and _one_process_per_gpu())
     axes = sorted({c.axis_name for c in cuda_configs})
     buffer_bytes = ll_offset = ll_bytes = 0
     if cuda_configs:

@@ -6,6 +6,9 @@ into `Runtime.timings`), all collective and made in the same order on every proc
                 joins as PE = its jax process index on its one GPU (`nvshmemx_hostlib_init_attr`), init status checked.
                 Once per process: NVSHMEM stays up across `jax_ep.finalize()` (see `shutdown`).
   2. teams      one team per EP group, plus the NVLink-local-index sub teams when R > num_max_nvl_peers (teams.py).
+     device     (module built with NVSHMEM's device library) every PE sends counted put-with-signal messages to
+                every PE from a kernel and checks them (nvshmem/device/device_check.cu): the device state, the
+                device library and the transport between every pair of PEs work before any program runs.
   3. allocate   one zeroed symmetric buffer per mesh axis (nvshmem_align, sized like the single-process staging);
                 nvshmem_ptr of every rank of this process's group -> a native external group, so the same kernels
                 as in one process run over these peer pointers.
@@ -132,6 +135,7 @@ class NvshmemTransport:
     heap_bytes: int
     version: str
     generation: int
+    device_check: dict | None = None  # what this PE saw in the device-API check; None without the device library
     name: str = "nvshmem"
 
     @classmethod
@@ -158,7 +162,8 @@ class NvshmemTransport:
 
     def summary(self) -> dict:
         return {"transport": self.name, "pe": self.pe, "n_pes": self.n_pes, "buffer_bytes": self.buffer_bytes,
-                "heap_bytes": self.heap_bytes, "nvshmem": self.version, "teams": [t.summary() for t in self.teams]}
+                "heap_bytes": self.heap_bytes, "nvshmem": self.version, "teams": [t.summary() for t in self.teams],
+                "device_check": self.device_check}
 
     def teardown(self, timeout_s: float) -> None:
         teardown(self, timeout_s)
@@ -247,6 +252,12 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                                   f"{spec.pes.index(process_id)}")
         timings["teams"] = time.perf_counter() - t
 
+        device = None
+        if m.has_device_library():
+            t = time.perf_counter()
+            device = check_device_api(m, process_id, timeout_s)
+            timings["device_check"] = time.perf_counter() - t
+
         t = time.perf_counter()
         for axis in axes:
             buffers[axis] = m.malloc(buffer_bytes)
@@ -281,7 +292,30 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
         raise
     return NvshmemTransport(pe=process_id, n_pes=num_processes, device_ordinal=device_ordinal, teams=made,
                      buffers=buffers, native_ids=native_ids, buffer_bytes=buffer_bytes,
-                     heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation)
+                     heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation,
+                     device_check=device)
+
+
+def check_device_api(m, process_id: int, timeout_s: float) -> dict:
+    """Collective: the device-API check of the NVSHMEM module; EPError naming what failed on this process."""
+    try:
+        r = dict(m.device_check(timeout_s))
+    except RuntimeError as e:
+        raise EPError(f"jax_ep.initialize: NVSHMEM device check failed on process {process_id}: {e}") from None
+    n = r["n_pes"]
+    problems = []
+    if r["my_pe"] != m.my_pe() or n != m.n_pes():
+        problems.append(f"the device sees PE {r['my_pe']} of {n}, the host PE {m.my_pe()} of {m.n_pes()} (device "
+                        f"state not initialized by this module)")
+    if r["complete"] != n:
+        problems.append(f"{n - r['complete']} of {n} PEs' messages did not all arrive within {timeout_s:g} s (first: "
+                        f"PE {r['first_missing']}, its signal word had {r['missing_low']} messages and announced "
+                        f"{r['missing_high'] - 1 if r['missing_high'] else 'nothing'})")
+    if r["bad_counts"] or r["bad_payloads"]:
+        problems.append(f"{r['bad_counts']} wrong counts and {r['bad_payloads']} wrong messages")
+    if problems:
+        raise EPError(f"jax_ep.initialize: NVSHMEM device check on process {process_id}: " + "; ".join(problems))
+    return r
 
 
 def teardown(transport: NvshmemTransport, timeout_s: float) -> None:

@@ -43,19 +43,20 @@ def _require(n):
         pytest.skip(f"needs {n} CUDA GPUs, found {_gpu_count()}")
 
 
-def _env():
+def _env(extra=None):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the CPU suite's forced host devices
     env.pop("JAX_PLATFORMS", None)
     env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
     return env
 
 
-def _run(cmd, timeout=240):
+def _run(cmd, timeout=240, env=None):
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
     dt = time.monotonic() - t0
     print(f"$ {' '.join(cmd[2:])}  ({dt:.1f} s, exit {p.returncode})")
     for line in p.stdout.splitlines():
@@ -68,9 +69,9 @@ def _run(cmd, timeout=240):
     return p.stdout
 
 
-def _launch(n, *args, timeout=240):
+def _launch(n, *args, timeout=240, env=None):
     return _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--timeout", str(timeout - 20), SCRIPT,
-                 *args], timeout=timeout)
+                 *args], timeout=timeout, env=env)
 
 
 def _single(*args, timeout=240):
@@ -91,6 +92,8 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     for line in _lines(out, "runtime").values():
         assert "model=multi-process transport=nvshmem" in line, line
+    for line in _lines(out, "device_check").values():
+        assert f"n_pes={n} complete={n}" in line or "ran=False" in line, line
     for line in _lines(out, "mismatch").values():
         assert float(re.search(r"seconds=([\d.]+)", line).group(1)) < 10, line
         assert "configs[0].hidden" in line or "configs[1].hidden" in line, line
@@ -100,6 +103,28 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
     assert sorted(a) == sorted(b) and len(a) >= 15, sorted(a)
     for k in sorted(a):
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: one process per GPU != one process, {n} GPUs")
+
+
+def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_path):
+    """JAX_EP_TRANSPORT=nvshmem with one process on one GPU: NVSHMEM bootstrap with the device library, the
+    device-API check (counted put-with-signal messages), a team of one, symmetric buffers, then every op of
+    ep_cuda.py bit-identical to the reference backend and to the same program over the peer transport."""
+    _require(1)
+    via, peer = str(tmp_path / "nvshmem.npz"), str(tmp_path / "peer.npz")
+    out = _launch(1, "--out", via, env={"JAX_EP_TRANSPORT": "nvshmem"})
+    for tag in ("runtime", "device_check", "teams", "correctness", "reinitialize", "done"):
+        assert sorted(_lines(out, tag)) == [0], f"{tag} missing\n{out}"
+    assert "model=multi-process transport=nvshmem" in _lines(out, "runtime")[0]
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    if nvshmem_runtime.module().has_device_library():
+        assert "ran=True" in _lines(out, "device_check")[0] and "complete=1" in _lines(out, "device_check")[0]
+    out1 = _single("--ranks", "1", "--out", peer)
+    assert "model=single-process transport=cuda-peer" in out1
+    a, b = dict(np.load(via)), dict(np.load(peer))
+    assert sorted(a) == sorted(b) and len(a) >= 15, sorted(a)
+    for k in sorted(a):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: NVSHMEM path != peer path, one GPU")
 
 
 @pytest.mark.parametrize("n,dp,nvl,want_sizes,exit_hook", [

@@ -68,14 +68,24 @@ cfgs = configs()
 t0 = time.perf_counter()
 rt = jax_ep.initialize(mesh, *cfgs.values())
 init_s = time.perf_counter() - t0
-want_model = "multi-process" if nproc > 1 else "single-process"
+# one process per GPU: several processes, or one with JAX_EP_TRANSPORT=nvshmem (the same NVSHMEM path on one GPU)
+per_gpu = nproc > 1 or os.environ.get("JAX_EP_TRANSPORT", "").strip().lower() == "nvshmem"
+want_model = "multi-process" if per_gpu else "single-process"
 assert rt.process_model == want_model and rt.backends[cfgs["cuda"]] == "cuda", rt
-assert rt.transport == ("nvshmem" if nproc > 1 else "cuda-peer"), rt.transport
+assert rt.transport == ("nvshmem" if per_gpu else "cuda-peer"), rt.transport
 result("runtime", model=rt.process_model, transport=rt.transport, seconds=f"{init_s:.3f}",
        timings=json.dumps({k: round(v * 1e3, 2) for k, v in rt.timings.items()}))
 
+# ---- the NVSHMEM device-API check of initialize: every PE's counted messages arrived intact ----
+if per_gpu:
+    dc = rt.transport_state.summary()["device_check"]
+    if dc is not None:
+        assert dc["my_pe"] == jax.process_index() and dc["n_pes"] == nproc == dc["complete"], dc
+        assert dc["bad_counts"] == dc["bad_payloads"] == 0 and dc["first_missing"] == -1, dc
+    result("device_check", ran=dc is not None, **(dc or {}))
+
 # ---- teams: membership and sizes (one process per GPU) ----
-if nproc > 1:
+if per_gpu:
     me = jax.process_index()
     mine = [t for t in rt.teams if t["member"]]
     group_teams = [t for t in rt.teams if t["kind"] == "group"]
@@ -202,7 +212,7 @@ result("correctness", exact=len(exact), rows=int(got["num_recv_tokens"].sum()),
 jax_ep.finalize()
 assert jax_ep.runtime.current() is None
 rt2 = jax_ep.initialize(mesh, *cfgs.values())
-if nproc > 1:
+if per_gpu:
     assert rt2.timings["bootstrap"] == 0.0, rt2.timings  # NVSHMEM stayed up; teams and buffers are new
 again = host(program(cfgs["cuda"])(*args))
 for k in got:
