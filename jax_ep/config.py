@@ -67,11 +67,18 @@ class EPConfig:
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
         only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
-        uniform routing (low_latency_mode_for). Default "per_expert" (DeepEP's layout, validated across GPUs);
+        uniform routing (low_latency_mode_for; always per_expert with allow_nvlink_for_low_latency=False).
+        Default "per_expert" (DeepEP's layout, validated across GPUs);
         per_rank's CUDA kernels have run on one GPU only so far (docs/BENCHMARKS.md).
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
+      allow_nvlink_for_low_latency: like DeepEP's allow_nvlink_for_low_latency_mode. True (default): low-latency
+        rows move by stores through NVLink peer pointers. False: by NVSHMEM put-with-signal from kernels of
+        jax_ep._jax_ep_nvshmem (the RDMA leg of docs/INTERNODE.md; NVSHMEM itself uses P2P for reachable peers),
+        which needs one process per GPU (python -m jax_ep.launch, or JAX_EP_TRANSPORT=nvshmem with one process)
+        and low_latency_mode "per_expert" ("auto" resolves to it). Every config of one mesh axis must agree. The
+        reference backend gives the same results either way.
     """
 
     num_experts: int
@@ -86,6 +93,7 @@ class EPConfig:
     timeout_seconds: float = 100.0
     low_latency_buffers: Optional[bool] = None
     low_latency_mode: str = "per_expert"
+    allow_nvlink_for_low_latency: bool = True
 
     def __post_init__(self):
         def normalize(name, value):
@@ -120,6 +128,13 @@ class EPConfig:
         if llb is not None and not isinstance(llb, (bool, np.bool_)):
             raise EPError(f"EPConfig.low_latency_buffers must be None, True or False, got {llb!r}")
         normalize("low_latency_buffers", None if llb is None else bool(llb))
+        nv = self.allow_nvlink_for_low_latency
+        if not isinstance(nv, (bool, np.bool_)):
+            raise EPError(f"EPConfig.allow_nvlink_for_low_latency must be True or False, got {nv!r}")
+        normalize("allow_nvlink_for_low_latency", bool(nv))
+        if not self.allow_nvlink_for_low_latency and self.low_latency_mode == "per_rank":
+            raise EPError("EPConfig.allow_nvlink_for_low_latency=False needs low_latency_mode 'per_expert' or 'auto' "
+                          "(the NVSHMEM low-latency kernels are per_expert only), got low_latency_mode='per_rank'")
         t = self.timeout_seconds
         if (isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating))
                 or not math.isfinite(float(t)) or not 0 < float(t) <= MAX_TIMEOUT_SECONDS):
@@ -162,6 +177,8 @@ class EPConfig:
         """
         if self.low_latency_mode != "auto":
             return self.low_latency_mode
+        if not self.allow_nvlink_for_low_latency:
+            return "per_expert"  # the NVSHMEM kernels' one mode
         k = self.num_topk
         per_rank_rows = num_ranks * (1.0 - (1.0 - 1.0 / num_ranks) ** k)
         return "per_rank" if per_rank_rows <= PER_RANK_MAX_ROW_FRACTION * k else "per_expert"

@@ -12,6 +12,10 @@
 
 #include "host.h"
 
+#if JAX_EP_NVSHMEM_DEVICE
+#include "device/ll_rdma.h"
+#endif
+
 namespace nb = nanobind;
 namespace nh = jax_ep::nvshmem_host;
 
@@ -141,6 +145,18 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       nb::arg("timeout_s"),
       "Collective: every PE sends counted put-with-signal messages to every PE from a kernel and checks what it "
       "received (dict of what this PE saw; complete == n_pes and zero bad counts/payloads when all is well)");
+  m.def(
+      "low_latency_rdma_ops",
+      []() -> nb::object {
+#if JAX_EP_NVSHMEM_DEVICE
+        return nb::capsule(const_cast<jax_ep::LowLatencyRdmaOps*>(jax_ep::rdma::low_latency_ops()),
+                           "jax_ep.LowLatencyRdmaOps");
+#else
+        return nb::none();
+#endif
+      },
+      "The NVSHMEM low-latency kernels of this module as a capsule for jax_ep._jax_ep_native."
+      "set_low_latency_rdma_ops (None without the device library)");
   m.def("allocated_bytes", &nh::allocated_bytes);
   m.def("live_teams", &nh::live_teams);
 }

@@ -487,3 +487,48 @@ def test_auto_low_latency_mode_follows_the_documented_rule(num_ranks, topk, expe
     assert c.low_latency_mode_for(num_ranks) == expected
     for fixed in ("per_expert", "per_rank"):
         assert jax_ep.EPConfig(64, H, topk, T, low_latency_mode=fixed).low_latency_mode_for(num_ranks) == fixed
+
+
+# ---- allow_nvlink_for_low_latency (NVSHMEM puts) ---------------------------------------------------------------------
+@pytest.mark.parametrize("value", [None, 0, 1, "False"])
+def test_bad_allow_nvlink_for_low_latency(value):
+    with raises(jax_ep.EPError, "EPConfig.allow_nvlink_for_low_latency", repr(value)):
+        cfg(allow_nvlink_for_low_latency=value)
+
+
+def test_nvshmem_low_latency_is_per_expert_only():
+    with raises(jax_ep.EPError, "allow_nvlink_for_low_latency=False", "per_rank"):
+        cfg(allow_nvlink_for_low_latency=False, low_latency_mode="per_rank")
+    c = jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto", allow_nvlink_for_low_latency=False)
+    assert c.low_latency_mode_for(8) == "per_expert"  # "auto" would pick per_rank at R=8, K=8 over NVLink
+    assert jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto").low_latency_mode_for(8) == "per_rank"
+
+
+def test_nvshmem_low_latency_needs_one_process_per_gpu_and_one_value_per_axis():
+    from jax_ep.runtime import lifecycle
+
+    nvshmem = cfg(allow_nvlink_for_low_latency=False, low_latency_buffers=True)
+    nvlink = cfg(low_latency_buffers=True)
+    lifecycle._check_low_latency_transport([nvshmem], one_process_per_gpu=True)
+    lifecycle._check_low_latency_transport([nvlink, cfg(num_sms=8, low_latency_buffers=True)], False)
+    with raises(jax_ep.EPError, "allow_nvlink_for_low_latency=False", "one process per GPU", "jax_ep.launch"):
+        lifecycle._check_low_latency_transport([nvshmem], one_process_per_gpu=False)
+    with raises(jax_ep.EPError, "disagree", "allow_nvlink_for_low_latency"):
+        lifecycle._check_low_latency_transport([nvshmem, nvlink], one_process_per_gpu=True)
+    # configs without low-latency buffers never run an LL op on the CUDA backend: no constraint
+    lifecycle._check_low_latency_transport([nvshmem, cfg(low_latency_buffers=False)], one_process_per_gpu=True)
+
+
+def test_reference_backend_ignores_allow_nvlink_for_low_latency():
+    """Same outputs bit for bit: the field only picks CUDA kernels (the reference is the oracle for both)."""
+    x, idx, w = inputs()
+
+    def program(c):
+        def body(x, i, w):
+            out = jax_ep.low_latency_dispatch(x, i, c, use_fp8=False)
+            y = jax_ep.low_latency_combine(out.recv_x, i, w, out.handle, c)
+            return out.recv_x, out.recv_count, out.handle.src_info, y
+        return [np.asarray(v) for v in run(body, x, idx, w)]
+
+    for a, b in zip(program(cfg()), program(cfg(allow_nvlink_for_low_latency=False))):
+        np.testing.assert_array_equal(a, b)

@@ -32,7 +32,7 @@ def test_staging_plan_is_largest_normal_then_largest_low_latency():
     normal_4096 = m.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert normal_4096 == 474548480
     ll_128 = m.low_latency_buffer_bytes(7168, 128, 4, 288)
-    assert ll_128 == 4096 + 2 * (3 * 1280 + 256 + 288 * 128 * 14576 + 4 * 128 * 16 * 4)
+    assert ll_128 == 4096 + 16640 + 2 * (3 * 1280 + 256 + 288 * 128 * 14576 + 4 * 128 * 16 * 4)
     assert runtime.buffer_size_hint(NORMAL, 4).low_latency_bytes == 0
     assert runtime.buffer_size_hint(LL, 4).low_latency_bytes == ll_128
     total, offset, ll_bytes = runtime.staging_plan([LL, NORMAL], lambda c: 4)

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
 LAYOUT = "jax_ep_layout_v1"
 STATEFUL_TARGETS = {
     "jax_ep_dispatch_v2", "jax_ep_cached_dispatch_v2", "jax_ep_combine_v2",
-    "jax_ep_ll_dispatch_v3", "jax_ep_ll_dispatch_send_v3", "jax_ep_ll_dispatch_recv_v3",
-    "jax_ep_ll_combine_v3", "jax_ep_ll_combine_send_v3", "jax_ep_ll_combine_recv_v3",
+    "jax_ep_ll_dispatch_v4", "jax_ep_ll_dispatch_send_v4", "jax_ep_ll_dispatch_recv_v4",
+    "jax_ep_ll_combine_v4", "jax_ep_ll_combine_send_v4", "jax_ep_ll_combine_recv_v4",
 }
 
 
@@ -101,12 +101,20 @@ def test_normal_buffer_bytes_by_hand():
         2304 + 469762048 + 3670016 + 1048576 + 65536)
 
 
+# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (256 + 2 * 8 * 1024).
+LL_FIXED = 4096 + 16640
+
+
 def test_low_latency_buffer_bytes_by_hand():
-    assert native.low_latency_buffer_bytes(**SMALL_LL) == 25600
+    # halves of 10752: flags 3 * 256, rank words 256, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
+    assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 10752
+    # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 352, per_rank's stride) and
+    # the combine rows [E][T_max] (8 * 4 * 256 = 8192)
+    assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (10752 + 8192)
     # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,
     # rank words 256; rows end = 4096 + 288*128*14576 = 537333760 (> the combine rows' and the per_rank messages');
     # weights 4*128*16*4 = 32768 -> half = 537366528
-    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == 4096 + 2 * 537366528
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537366528
 
 
 def test_staging_plan_by_hand():
@@ -118,7 +126,8 @@ def test_staging_plan_by_hand():
     assert native.staging_plan([1000], [5120]) == (1024 + 5120, 1024, 5120)
     assert native.staging_plan([1300], []) == (1536, 1536, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
-    assert plan == (7424 + 25600, 7424, 25600)
+    ll = LL_FIXED + 2 * 10752
+    assert plan == (7424 + ll, 7424, ll)
 
 
 def test_staging_rejects_bad_arguments():

@@ -2,19 +2,19 @@
 // Every target takes the chain state [4] s32 as its LAST operand and returns the next state as its LAST result
 // (Python aliases the two); the kernels read and write it on the device (protocol: cuda/include/jax_ep/ll_params.h).
 //
-//   jax_ep_ll_dispatch_v3        x [T, H] bf16, topk_idx [T, K] s32, state
+//   jax_ep_ll_dispatch_v4        x [T, H] bf16, topk_idx [T, K] s32, state
 //                                  -> recv_x [L, R*T_max, H] (f8e4m3fn | bf16), recv_x_scales [L, R*T_max, S] f32
 //                                     (S = H/128 with use_fp8, else 0), recv_count [L], src_info [L, R*T_max],
 //                                     layout_range [L, R], msg_token [R, M], token_rows [R, M, K] (s32; M = T_max
 //                                     in per_rank mode, else 0), state
-//   jax_ep_ll_dispatch_send_v3   x, topk_idx, state -> token [4] s32, state
-//   jax_ep_ll_dispatch_recv_v3   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range,
+//   jax_ep_ll_dispatch_send_v4   x, topk_idx, state -> token [4] s32, state
+//   jax_ep_ll_dispatch_recv_v4   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range,
 //                                msg_token, token_rows, state
-//   jax_ep_ll_combine_v3         expert_out [L, R*T_max, H] bf16, src_info, layout_range, msg_token, token_rows,
+//   jax_ep_ll_combine_v4         expert_out [L, R*T_max, H] bf16, src_info, layout_range, msg_token, token_rows,
 //                                topk_idx [T, K] s32, topk_weights [T, K] f32, state -> y [T, H] bf16, state
-//   jax_ep_ll_combine_send_v3    expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state
+//   jax_ep_ll_combine_send_v4    expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state
 //                                -> token, state
-//   jax_ep_ll_combine_recv_v3    token, topk_idx, topk_weights, state -> y, state
+//   jax_ep_ll_combine_recv_v4    token, topk_idx, topk_weights, state -> y, state
 // msg_token / token_rows (the handle's per_rank tables) are read only in per_rank mode (LowLatencyAttrs.per_rank);
 // in per_expert mode they are empty.
 // The fused targets launch the send kernel and the receive kernel back to back (one handler); the split targets one
@@ -29,6 +29,7 @@
 #include "errors.h"
 #include "jax_ep/api.h"
 #include "jax_ep/constants.h"
+#include "jax_ep/rdma_ops.h"
 #include "jax_ep/signal_header.h"
 #include "op_state.h"
 #include "registry.h"
@@ -59,6 +60,50 @@ template <typename Launch>
 ffi::Error LaunchOn(const char* target, int32_t ordinal, Launch&& launch) {
   if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(target, s);
   return ToFfi(target, launch());
+}
+
+// ---- which kernels: the NVLink kernels of this module, or the NVSHMEM ones of jax_ep._jax_ep_nvshmem ----------
+// (OpConfig::rdma, EPConfig.allow_nvlink_for_low_latency=False; jax_ep/rdma_ops.h). One overload per kernel.
+Status RdmaStatus(const char* error) { return error == nullptr ? Status::Ok() : Status::Error(error); }
+
+const LowLatencyRdmaOps* RdmaOps(Status* missing) {
+  const LowLatencyRdmaOps* ops = low_latency_rdma_ops();
+  if (ops == nullptr)
+    *missing = Status::Error("allow_nvlink_for_low_latency=False needs the NVSHMEM low-latency kernels of "
+                             "jax_ep._jax_ep_nvshmem (installed by jax_ep.initialize with one process per GPU and "
+                             "a module built with NVSHMEM's device library)");
+  return ops;
+}
+
+Status Launch(const OpState& st, const ll::DispatchSendParams& p, cudaStream_t s) {
+  if (!st.config().rdma) return ll::launch_dispatch_send(p, s);
+  Status missing;
+  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
+  return ops ? RdmaStatus(ops->dispatch_send(p, s)) : missing;
+}
+Status Launch(const OpState& st, const ll::DispatchRecvParams& p, cudaStream_t s) {
+  if (!st.config().rdma) return ll::launch_dispatch_recv(p, s);
+  Status missing;
+  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
+  return ops ? RdmaStatus(ops->dispatch_recv(p, s)) : missing;
+}
+Status Launch(const OpState& st, const ll::CombineSendParams& p, cudaStream_t s) {
+  if (!st.config().rdma) return ll::launch_combine_send(p, s);
+  Status missing;
+  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
+  return ops ? RdmaStatus(ops->combine_send(p, s)) : missing;
+}
+Status Launch(const OpState& st, const ll::CombineRecvParams& p, cudaStream_t s) {
+  if (!st.config().rdma) return ll::launch_combine_recv(p, s);
+  Status missing;
+  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
+  return ops ? RdmaStatus(ops->combine_recv(p, s)) : missing;
+}
+// A fused op: its send kernel, then its receive kernel, on one stream.
+template <typename Send, typename Recv>
+Status Launch(const OpState& st, const Send& send, const Recv& recv, cudaStream_t s) {
+  JAX_EP_RETURN_IF_ERROR(Launch(st, send, s));
+  return Launch(st, recv, s);
 }
 
 // The header slot joining the two kernels of a fused op (SignalHeader::kLlFusedToken, this rank's own buffer).
@@ -178,9 +223,9 @@ ffi::Error FillCombineRecv(const char* target, const OpState& st, const ll::Ctx&
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------------------------
-constexpr const char* kDispatch = "jax_ep_ll_dispatch_v3";
-constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v3";
-constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v3";
+constexpr const char* kDispatch = "jax_ep_ll_dispatch_v4";
+constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v4";
+constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v4";
 
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, S32Mat topk_idx, S32Vec state,
                     ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales, ffi::Result<S32Vec> recv_count,
@@ -199,7 +244,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     s.fused = true;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), fused_token(c)};
     r.io = ll::ChainIO{nullptr, nullptr, fused_token(c)};
-    return LaunchOn(kDispatch, ordinal, [&] { return ll::launch_dispatch(s, r, stream); });
+    return LaunchOn(kDispatch, ordinal, [&] { return Launch(*st, s, r, stream); });
   });
 }
 
@@ -213,7 +258,7 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBu
     if (auto e = FillDispatchSend(kDispatchSend, *st, c, x, topk_idx, &s); !e.success()) return e;
     s.fused = false;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token->typed_data()};
-    return LaunchOn(kDispatchSend, ordinal, [&] { return ll::launch_dispatch_send(s, stream); });
+    return LaunchOn(kDispatchSend, ordinal, [&] { return Launch(*st, s, stream); });
   });
 }
 
@@ -232,14 +277,14 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Ve
         !e.success())
       return e;
     r.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token.typed_data()};
-    return LaunchOn(kDispatchRecv, ordinal, [&] { return ll::launch_dispatch_recv(r, stream); });
+    return LaunchOn(kDispatchRecv, ordinal, [&] { return Launch(*st, r, stream); });
   });
 }
 
 // ---- combine ------------------------------------------------------------------------------------------------------
-constexpr const char* kCombine = "jax_ep_ll_combine_v3";
-constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v3";
-constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v3";
+constexpr const char* kCombine = "jax_ep_ll_combine_v4";
+constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v4";
+constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v4";
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
                    S32Mat layout_range, S32Mat msg_token, S32Cube token_rows, S32Mat topk_idx, F32Mat topk_weights,
@@ -257,7 +302,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf exp
     s.fused = true;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), fused_token(c)};
     r.io = ll::ChainIO{nullptr, nullptr, fused_token(c)};
-    return LaunchOn(kCombine, ordinal, [&] { return ll::launch_combine(s, r, stream); });
+    return LaunchOn(kCombine, ordinal, [&] { return Launch(*st, s, r, stream); });
   });
 }
 
@@ -275,7 +320,7 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf
       return e;
     s.fused = false;
     s.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token->typed_data()};
-    return LaunchOn(kCombineSend, ordinal, [&] { return ll::launch_combine_send(s, stream); });
+    return LaunchOn(kCombineSend, ordinal, [&] { return Launch(*st, s, stream); });
   });
 }
 
@@ -288,7 +333,7 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Vec
     ll::CombineRecvParams r{};
     if (auto e = FillCombineRecv(kCombineRecv, *st, c, topk_idx, topk_weights, *y, &r); !e.success()) return e;
     r.io = ll::ChainIO{state.typed_data(), state_out->typed_data(), token.typed_data()};
-    return LaunchOn(kCombineRecv, ordinal, [&] { return ll::launch_combine_recv(r, stream); });
+    return LaunchOn(kCombineRecv, ordinal, [&] { return Launch(*st, r, stream); });
   });
 }
 
@@ -310,12 +355,12 @@ using namespace jax_ep::ffi_types;  // NOLINT
 #define JAX_EP_LL_INSTANTIATE(symbol, fn) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn, ffi::Ffi::BindInstantiate().Attrs<jax_ep::LowLatencyAttrs>())
 
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchInstantiateV3, jax_ep::InstantiateDispatch);
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchSendInstantiateV3, jax_ep::InstantiateDispatchSend);
-JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchRecvInstantiateV3, jax_ep::InstantiateDispatchRecv);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineInstantiateV3, jax_ep::InstantiateCombine);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineSendInstantiateV3, jax_ep::InstantiateCombineSend);
-JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV3, jax_ep::InstantiateCombineRecv);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchInstantiateV4, jax_ep::InstantiateDispatch);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchSendInstantiateV4, jax_ep::InstantiateDispatchSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlDispatchRecvInstantiateV4, jax_ep::InstantiateDispatchRecv);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineInstantiateV4, jax_ep::InstantiateCombine);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineSendInstantiateV4, jax_ep::InstantiateCombineSend);
+JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV4, jax_ep::InstantiateCombineRecv);
 
 // Execute stage: the attributes are in the state, the binding takes none.
 #define JAX_EP_LL_EXECUTE_CTX                                                                         \
@@ -324,7 +369,7 @@ JAX_EP_LL_INSTANTIATE(JaxEpLlCombineRecvInstantiateV3, jax_ep::InstantiateCombin
       .Ctx<ffi::DeviceOrdinal>()                /* resolves the group and the rank */                 \
       .Ctx<ffi::State<jax_ep::OpState>>()       /* the call site: config + per-device cache */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV3, jax_ep::Dispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV4, jax_ep::Dispatch,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // x [T, H] bf16
                                   .Arg<S32Mat>()   // topk_idx [T, K]
@@ -339,7 +384,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV3, jax_ep::Dispatch,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV3, jax_ep::DispatchSend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV4, jax_ep::DispatchSend,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // x [T, H] bf16
                                   .Arg<S32Mat>()   // topk_idx [T, K]
@@ -348,7 +393,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV3, jax_ep::DispatchSend,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV3, jax_ep::DispatchRecv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV4, jax_ep::DispatchRecv,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<S32Vec>()   // token [4] (from the send)
                                   .Arg<S32Vec>()   // state [4]
@@ -362,7 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV3, jax_ep::DispatchRecv,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV3, jax_ep::Combine,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV4, jax_ep::Combine,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
                                   .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
@@ -376,7 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineCudaV3, jax_ep::Combine,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV3, jax_ep::CombineSend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV4, jax_ep::CombineSend,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<AnyBuf>()   // expert_out [L, R*T_max, H] bf16
                                   .Arg<S32Mat>()   // src_info [L, R*T_max] (handle)
@@ -389,7 +434,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV3, jax_ep::CombineSend,
                                   .Ret<S32Vec>(),  // state [4] (aliased with the state operand)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV3, jax_ep::CombineRecv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV4, jax_ep::CombineRecv,
                               JAX_EP_LL_EXECUTE_CTX
                                   .Arg<S32Vec>()   // token [4] (from the send)
                                   .Arg<S32Mat>()   // topk_idx [T, K]

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "jax_ep/peer_group.h"
+#include "jax_ep/rdma_ops.h"
 #include "jax_ep/staging_layout.h"
 #include "op_state.h"
 #include "registry.h"
@@ -50,12 +51,12 @@ const std::vector<Target>& Targets() {
       {"jax_ep_dispatch_v2", "CUDA", JaxEpDispatchInstantiateV2, JaxEpDispatchCudaV2},
       {"jax_ep_cached_dispatch_v2", "CUDA", JaxEpCachedDispatchInstantiateV2, JaxEpCachedDispatchCudaV2},
       {"jax_ep_combine_v2", "CUDA", JaxEpCombineInstantiateV2, JaxEpCombineCudaV2},
-      {"jax_ep_ll_dispatch_v3", "CUDA", JaxEpLlDispatchInstantiateV3, JaxEpLlDispatchCudaV3},
-      {"jax_ep_ll_dispatch_send_v3", "CUDA", JaxEpLlDispatchSendInstantiateV3, JaxEpLlDispatchSendCudaV3},
-      {"jax_ep_ll_dispatch_recv_v3", "CUDA", JaxEpLlDispatchRecvInstantiateV3, JaxEpLlDispatchRecvCudaV3},
-      {"jax_ep_ll_combine_v3", "CUDA", JaxEpLlCombineInstantiateV3, JaxEpLlCombineCudaV3},
-      {"jax_ep_ll_combine_send_v3", "CUDA", JaxEpLlCombineSendInstantiateV3, JaxEpLlCombineSendCudaV3},
-      {"jax_ep_ll_combine_recv_v3", "CUDA", JaxEpLlCombineRecvInstantiateV3, JaxEpLlCombineRecvCudaV3},
+      {"jax_ep_ll_dispatch_v4", "CUDA", JaxEpLlDispatchInstantiateV4, JaxEpLlDispatchCudaV4},
+      {"jax_ep_ll_dispatch_send_v4", "CUDA", JaxEpLlDispatchSendInstantiateV4, JaxEpLlDispatchSendCudaV4},
+      {"jax_ep_ll_dispatch_recv_v4", "CUDA", JaxEpLlDispatchRecvInstantiateV4, JaxEpLlDispatchRecvCudaV4},
+      {"jax_ep_ll_combine_v4", "CUDA", JaxEpLlCombineInstantiateV4, JaxEpLlCombineCudaV4},
+      {"jax_ep_ll_combine_send_v4", "CUDA", JaxEpLlCombineSendInstantiateV4, JaxEpLlCombineSendCudaV4},
+      {"jax_ep_ll_combine_recv_v4", "CUDA", JaxEpLlCombineRecvInstantiateV4, JaxEpLlCombineRecvCudaV4},
   };
   return targets;
 }
@@ -97,16 +98,18 @@ void def_staging(nb::module_& m) {
       "Bytes of the normal-mode region one rank needs for a config (signal header included).");
   m.def(
       "low_latency_buffer_bytes",
-      [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts) {
+      [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts, bool staged) {
         const char* fn = "low_latency_buffer_bytes";
         require_positive(fn, "hidden", hidden);
         require_positive(fn, "max_tokens_per_rank", max_tokens_per_rank);
         require_positive(fn, "num_ranks", num_ranks);
         require_positive(fn, "num_experts", num_experts);
-        return jax_ep::low_latency_buffer_bytes(hidden, max_tokens_per_rank, num_ranks, num_experts);
+        return jax_ep::low_latency_buffer_bytes(hidden, max_tokens_per_rank, num_ranks, num_experts, staged);
       },
       nb::arg("hidden"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"), nb::arg("num_experts"),
-      "Bytes of the low-latency region one rank needs for a config (scratch + two halves).");
+      nb::arg("staged") = false,
+      "Bytes of the low-latency region one rank needs for a config (scratch, RDMA words, two halves); staged: the "
+      "config sends through NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False) and needs send slots too.");
   m.def(
       "staging_plan",
       [](const std::vector<int64_t>& normal, const std::vector<int64_t>& low_latency) {
@@ -140,13 +143,14 @@ void def_groups(nb::module_& m) {
   m.def(
       "group_register_external",
       [](int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases, int64_t buffer_bytes,
-         int64_t set_id) {
+         int64_t set_id, const std::vector<int>& pes) {
         int64_t id = -1;
-        throw_if_error(jax_ep::register_external_group(device_ordinal, rank, peer_bases, buffer_bytes, set_id, &id));
+        throw_if_error(
+            jax_ep::register_external_group(device_ordinal, rank, peer_bases, buffer_bytes, set_id, &id, pes));
         return id;
       },
       nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("peer_bases"), nb::arg("buffer_bytes"),
-      nb::arg("set_id") = -1,
+      nb::arg("set_id") = -1, nb::arg("pes") = std::vector<int>{},
       "One process per GPU (NVSHMEM): registers this process's rank of a group whose buffers the caller allocated "
       "and mapped (peer_bases[r] = rank r's buffer as this device addresses it, e.g. nvshmem_ptr). The buffer must "
       "be zeroed before the first op; jax_ep never frees it. Returns the group id.");
@@ -185,6 +189,23 @@ void def_groups(nb::module_& m) {
 }
 
 void def_bindings(nb::module_& m) {
+  m.def(
+      "set_low_latency_rdma_ops",
+      [](nb::object ops) {
+        const jax_ep::LowLatencyRdmaOps* table = nullptr;
+        if (!ops.is_none()) {
+          nb::capsule cap = nb::cast<nb::capsule>(ops);
+          if (cap.name() == nullptr || std::string(cap.name()) != "jax_ep.LowLatencyRdmaOps")
+            throw std::invalid_argument("set_low_latency_rdma_ops: expected the capsule of "
+                                        "jax_ep._jax_ep_nvshmem.low_latency_rdma_ops()");
+          table = static_cast<const jax_ep::LowLatencyRdmaOps*>(cap.data());
+        }
+        throw_if_error(jax_ep::set_low_latency_rdma_ops(table));
+      },
+      nb::arg("ops").none(),
+      "Installs the NVSHMEM module's low-latency kernels (EPConfig.allow_nvlink_for_low_latency=False), or clears "
+      "them with None. The table must come from a module built from the same tree (checked).");
+  m.def("has_low_latency_rdma_ops", []() { return jax_ep::low_latency_rdma_ops() != nullptr; });
   m.def(
       "bind_axis",
       [](const std::string& axis, int64_t set_id, int64_t ll_offset, int64_t ll_bytes) {

@@ -64,10 +64,13 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, c
   if (err.empty() && a.hidden % 8 != 0) err = "hidden must be a multiple of 8, got " + std::to_string(a.hidden);
   if (err.empty() && a.use_fp8 != 0 && a.hidden % kFp8Block != 0)
     err = "fp8 dispatch needs hidden % 128 == 0, got hidden=" + std::to_string(a.hidden);
+  if (err.empty() && a.rdma != 0 && a.per_rank != 0)
+    err = "allow_nvlink_for_low_latency=False (NVSHMEM puts) needs low_latency_mode='per_expert'";
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.use_fp8 = a.use_fp8 != 0;
   c.per_rank = a.per_rank != 0;
+  c.rdma = a.rdma != 0;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
 }
 
@@ -77,6 +80,7 @@ GroupCtx OpState::group_ctx(const Resolved& r) const {
   g.rank = r.view.rank;
   g.num_ranks = r.view.num_ranks;
   g.timeout_ns = config_.timeout_ns;
+  for (int q = 0; q < kMaxGroupRanks; ++q) g.pe[q] = r.view.pe[q];
   return g;
 }
 
@@ -94,7 +98,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
 
   const AxisBinding& b = rg.binding;
-  if (b.ll_bytes <= kLowLatencyScratchBytes)
+  if (b.ll_bytes <= kLowLatencyFixedBytes)
     return ffi_util::Invalid(target_, "the runtime has no low-latency buffers for mesh axis '" + axis_ +
                                           "' (EPConfig.low_latency_buffers)");
   if (b.ll_offset < kSignalHeaderBytes || b.ll_offset % kAlign != 0 || b.ll_offset + b.ll_bytes > rg.view.buffer_bytes)
@@ -102,8 +106,13 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                                           std::to_string(b.ll_bytes) + ") does not fit the group's " +
                                           std::to_string(rg.view.buffer_bytes) + "-byte staging buffer");
   const int64_t half_bytes = ll_half_bytes(b.ll_bytes);
-  const LowLatencyLayout layout =
-      make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, R, b.ll_offset, half_bytes);
+  if (c.rdma && rg.view.pe[rg.view.rank] < 0)
+    return ffi_util::Precondition(target_, "allow_nvlink_for_low_latency=False moves rows with NVSHMEM puts, but the "
+                                           "group of mesh axis '" + axis_ + "' is not an NVSHMEM group: run one "
+                                           "process per GPU (python -m jax_ep.launch; one process: "
+                                           "JAX_EP_TRANSPORT=nvshmem)");
+  const LowLatencyLayout layout = make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, R,
+                                                          b.ll_offset, half_bytes, c.rdma);
   if (layout.half_needed > half_bytes)
     return ffi_util::Invalid(target_, "this config needs " + std::to_string(layout.half_needed) +
                                           " bytes per low-latency half but the runtime has " +

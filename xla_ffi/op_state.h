@@ -34,6 +34,7 @@ struct OpConfig {
   int32_t num_sms = 0;     // normal mode
   bool use_fp8 = false;    // low-latency dispatch
   bool per_rank = false;   // low-latency mode: per_rank (EPConfig.low_latency_mode)
+  bool rdma = false;       // low-latency mode: NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False)
   uint64_t timeout_ns = 1;
 };
 

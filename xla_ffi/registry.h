@@ -17,16 +17,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV2);
 
-// low-latency mode: jax_ep_ll_dispatch_v3, jax_ep_ll_dispatch_send_v3, ..._recv_v3, jax_ep_ll_combine_v3, ...
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineCudaV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvInstantiateV3);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV3);
+// low-latency mode: jax_ep_ll_dispatch_v4, jax_ep_ll_dispatch_send_v4, ..._recv_v4, jax_ep_ll_combine_v4, ...
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendCudaV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvCudaV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineCudaV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendCudaV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvInstantiateV4);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvCudaV4);

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -12,6 +13,7 @@
 #include "common/ptx.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
+#include "jax_ep/ll_params.h"
 #include "jax_ep/routing_params.h"
 #include "jax_ep/staging_layout.h"
 
@@ -197,6 +199,28 @@ __device__ __forceinline__ bool last_block_all(uint32_t* counter, int32_t* s_las
   }
   __syncthreads();
   return *s_last != 0;
+}
+
+// ---- launch shapes (per_expert kernels of both transports) ----
+inline int sm_count_or_default(const Ctx& c) { return c.sm_count > 0 ? c.sm_count : 132; }
+
+// Dispatch send: one block per token, at most two per SM (T = 0: one block).
+inline int send_grid(const DispatchSendParams& p) {
+  return std::max(1, std::min(p.num_tokens, 2 * sm_count_or_default(p.c)));
+}
+
+// Kernels with blocks (local expert, part): parts so that a call spreads over about two blocks per SM.
+inline dim3 expert_grid(const Ctx& c, int max_parts = 16) {
+  const int parts = std::max(1, std::min(max_parts, (2 * sm_count_or_default(c) + c.num_local - 1) / c.num_local));
+  return dim3(c.num_local, parts);
+}
+
+// Combine receive: blocks (token, part), parts splitting H/8 vectors over kCombineRecvThreads-thread blocks.
+inline dim3 combine_recv_grid(const CombineRecvParams& p) {
+  const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
+  const int blocks = std::max(1, p.num_tokens);
+  const int parts = std::max(1, std::min(max_parts, (2 * sm_count_or_default(p.c) + blocks - 1) / blocks));
+  return dim3(blocks, parts);
 }
 
 // Shared memory of a dispatch send kernel: an fp8 message payload (bf16 rows are copied from global memory).

@@ -37,6 +37,7 @@
 #include "kernels/ll_device.cuh"
 #include "kernels/ll_protocol.cuh"
 #include "kernels/ll_rank_kernels.h"
+#include "kernels/ll_recv.cuh"
 #include "kernels/ll_send.cuh"
 #include "transport/peer.cuh"
 
@@ -44,62 +45,9 @@ namespace jax_ep::ll {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
-  const Ctx& c = p.c;
-  const GroupCtx& g = c.g;
-  const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, rows_per_expert = R * Tm;
-  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const char* half = self_base(g) + half_offset(c.ll, epoch);
-  __shared__ int32_t s_off[kMaxGroupRanks + 1];
-  __shared__ int32_t s_count[kMaxGroupRanks];
-  if (tid < R) {
-    wait_reached(header_word(const_cast<char*>(half), c.ll.d_flags + 4 * (l * R + tid)), epoch, g.timeout_ns,
-                 "low-latency dispatch receive", g.rank, tid);
-    const int32_t n = __ldcg(reinterpret_cast<const int32_t*>(half + c.ll.d_counts) + l * R + tid);
-    s_count[tid] = min(max(n, 0), Tm);  // never trust a count beyond the slots
-  }
-  __syncthreads();
-  if (tid == 0) {
-    s_off[0] = 0;
-    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + s_count[s];
-  }
-  __syncthreads();
-  const int total = s_off[R];
-  if (part == 0) {
-    if (tid < R) p.layout_range[l * R + tid] = s_count[tid];
-    if (tid == 0) p.recv_count[l] = total;
-  }
-  const char* expert_msgs = half + c.ll.rows + static_cast<int64_t>(l) * R * Tm * c.ll.msg_stride;
-  auto message = [&](int i) {
-    const int s = source_of_row(s_off, R, i);
-    return expert_msgs + static_cast<int64_t>(s * Tm + (i - s_off[s])) * c.ll.msg_stride;
-  };
-  for (int i = part * blockDim.x + tid; i < rows_per_expert; i += parts * blockDim.x) {
-    p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] =
-        i < total ? __ldcg(reinterpret_cast<const int32_t*>(message(i))) : -1;
-  }
-  const int payload_bytes = p.use_fp8 ? H : 2 * H;
-  const int nseg = (payload_bytes + kSegBytes - 1) / kSegBytes;
-  char* out = static_cast<char*>(p.recv_x) + static_cast<int64_t>(l) * rows_per_expert * payload_bytes;
-  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
-    const int i = item / nseg, seg = item % nseg;
-    const int off = seg * kSegBytes;
-    copy_segment_cg(out + static_cast<int64_t>(i) * payload_bytes + off, message(i) + kLowLatencyMsgHeader + off,
-                    min(kSegBytes, payload_bytes - off));
-  }
-  if (p.use_fp8) {
-    const int S = H / kFp8Block;
-    float* scales = p.recv_x_scales + static_cast<int64_t>(l) * rows_per_expert * S;
-    for (int idx = part * blockDim.x + tid; idx < total * S; idx += parts * blockDim.x) {
-      const int i = idx / S, j = idx % S;
-      scales[static_cast<int64_t>(i) * S + j] =
-          __ldcg(reinterpret_cast<const float*>(message(i) + kLowLatencyMsgHeader + H) + j);
-    }
-  }
-}
 
 __global__ void __launch_bounds__(kThreads) ll_dispatch_recv_kernel(const DispatchRecvParams p) {
-  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
+  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, PeerWait{}); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -152,57 +100,10 @@ __global__ void __launch_bounds__(kThreads) ll_combine_send_kernel(const Combine
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch) {
-  const Ctx& c = p.c;
-  const GroupCtx& g = c.g;
-  const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
-  const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  char* half = self_base(g) + half_offset(c.ll, epoch);
-  __shared__ int32_t s_expert[kMaxTopk];
-  __shared__ float s_weight[kMaxTopk];
-  const bool has_token = t < p.num_tokens;  // T = 0 still runs one block: finish_recv must publish the epoch
-  if (has_token && tid < K) {
-    const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + tid);
-    const bool valid = routing::valid_expert(e, E);
-    if (valid)
-      wait_reached(header_word(half, c.ll.c_flags + 4 * e), epoch, g.timeout_ns, "low-latency combine receive",
-                   g.rank, e / L);
-    // NOTE: the weight of a -1 / out-of-range slot is never loaded nor multiplied (the slot is skipped below), so a
-    // NaN or inf weight there cannot reach y (0 * NaN = NaN would).
-    s_expert[tid] = valid ? e : -1;
-    s_weight[tid] = valid ? __ldg(p.topk_weights + static_cast<int64_t>(t) * K + tid) : 0.0f;
-  }
-  __syncthreads();
-  const int n8 = H / 8;
-  const char* rows = half + c.ll.rows;
-  for (int ci = part * blockDim.x + tid; has_token && ci < n8; ci += parts * blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int k = 0; k < K; ++k) {
-      const int e = s_expert[k];
-      if (e < 0) continue;
-      const int4 v = ld_cg_v4(
-          reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(e) * Tm + t) * 2 * H) + ci);
-      float f[8];
-      unpack_bf16x8(v, f);
-      const float w = s_weight[k];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
-    }
-    const int4 o = pack_bf16x8(acc);
-    reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
-  }
-}
 
 __global__ void __launch_bounds__(kCombineRecvThreads) ll_combine_recv_kernel(const CombineRecvParams p) {
-  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, PeerWait{}); });
 }
-
-// Blocks per expert so that a call spreads over about two blocks per SM.
-int parts_per_expert(const Ctx& c, int max_parts) {
-  const int sms = c.sm_count > 0 ? c.sm_count : 132;
-  return std::max(1, std::min(max_parts, (2 * sms + c.num_local - 1) / c.num_local));
-}
-
 
 }  // namespace
 
@@ -216,8 +117,7 @@ Status preload_kernels() {
 }
 
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
-  const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
-  const int grid = std::max(1, std::min(p.num_tokens, 2 * sms));  // one block per token (T = 0: one block)
+  const int grid = send_grid(p);
   const int smem = send_shared_bytes(p.use_fp8, p.c.hidden);
   JAX_EP_RETURN_IF_ERROR(check_send_shared(smem, p.c.hidden));
   if (p.per_rank)
@@ -229,8 +129,7 @@ Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   if (p.per_rank) return rank::launch_dispatch_recv(p, stream);
-  const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
-  ll_dispatch_recv_kernel<<<grid, kThreads, 0, stream>>>(p);
+  ll_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);
   return launched("low-latency dispatch receive");
 }
 
@@ -241,18 +140,13 @@ Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams&
 
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (p.per_rank) return rank::launch_combine_send(p, stream);
-  const dim3 grid(p.c.num_local, parts_per_expert(p.c, 16));
-  ll_combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
+  ll_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
 
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   if (p.per_rank) return rank::launch_combine_recv(p, stream);
-  const int sms = p.c.sm_count > 0 ? p.c.sm_count : 132;
-  const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
-  const int blocks = std::max(1, p.num_tokens);
-  const int parts = std::max(1, std::min(max_parts, (2 * sms + blocks - 1) / blocks));
-  ll_combine_recv_kernel<<<dim3(blocks, parts), kCombineRecvThreads, 0, stream>>>(p);
+  ll_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
   return launched("low-latency combine receive");
 }
 

@@ -46,12 +46,20 @@ __device__ __forceinline__ void wait_consumed(const GroupCtx& g, int d, uint32_t
                g.timeout_ns, "low-latency send (peer still reading the op two epochs back)", g.rank, d);
 }
 
+// Ops of op n's parity that come before it (epochs n-2, n-4, ..., >= 1): the count every rank's consumed counter of
+// that parity must reach before op n writes into its half (NVSHMEM path: ADD-only counters instead of epochs).
+// NOTE: epochs are u32; after 2^32 LL ops on one device this count (and the NVLink path's wrap-safe compare of
+// epochs) would need a wider epoch.
+__device__ __forceinline__ uint64_t consumed_target(uint32_t n) { return n >= 1u ? (n - 1u) / 2u : 0u; }
+
 // The decision of a send (thread 0 of each block; no side effects): the output state and, when it works, the op's
 // epoch. `device_error` tells whether the device check (below) failed, for the caller's message.
+// rdma_consumed: the NVSHMEM path's consumed counters (u64 [2][kMaxGroupRanks], LowLatencyLayout::rdma_consumed),
+// nullptr on the NVLink path (the header's consumed epochs).
 // NOTE (state words): the input state and the token are XLA buffers written by earlier kernels of the stream; read
 // with ld.global.cg (never a stale L1 line).
 __device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& io, bool fused, Gate* gate,
-                                              bool* device_error) {
+                                              bool* device_error, const uint64_t* rdma_consumed = nullptr) {
   const int4 in4 = __ldcg(reinterpret_cast<const int4*>(io.state_in));
   const ChainState in{in4.x, in4.y, in4.z};
   ChainState out = fused ? after_fused(in) : after_send(in);
@@ -67,9 +75,16 @@ __device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& 
     // later one (independent chains).
     const uint32_t dev = load_volatile(ll_word(g, SignalHeader::kLlInFlight));
     const uint32_t next = load_volatile(ll_word(g, SignalHeader::kLlEpoch)) + 1u;
-    const uint32_t own = load_volatile(
-        ll_word(g, SignalHeader::kLlConsumed + 4 * (kMaxGroupRanks * (next & 1u) + g.rank)));
-    if (dev >= static_cast<uint32_t>(kMaxLowLatencyInFlight) || !reached(own, next - 2u)) {
+    bool own_consumed;
+    if (rdma_consumed != nullptr) {
+      own_consumed = *reinterpret_cast<const volatile uint64_t*>(rdma_consumed + kMaxGroupRanks * (next & 1u) +
+                                                                 g.rank) >= consumed_target(next);
+    } else {
+      const uint32_t own = load_volatile(
+          ll_word(g, SignalHeader::kLlConsumed + 4 * (kMaxGroupRanks * (next & 1u) + g.rank)));
+      own_consumed = reached(own, next - 2u);
+    }
+    if (dev >= static_cast<uint32_t>(kMaxLowLatencyInFlight) || !own_consumed) {
       out.error |= kErrorDevice;
       *device_error = true;
     }
@@ -84,9 +99,9 @@ __device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& 
 // NOTE: a kernel launched before the send kernel of the same op (the per_rank combine's weight push) takes the
 // same decision with send_decision: nothing between them on the stream changes what it reads.
 __device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, bool fused, int32_t num_tokens,
-                                          const char* op, Gate* gate) {
+                                          const char* op, Gate* gate, const uint64_t* rdma_consumed = nullptr) {
   bool device_error = false;
-  send_decision(g, io, fused, gate, &device_error);
+  send_decision(g, io, fused, gate, &device_error, rdma_consumed);
   if (device_error && blockIdx.x == 0 && blockIdx.y == 0)
     printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
            "here: the program forked the LL state or ran LL ops on independent chains\n",
@@ -143,16 +158,9 @@ __device__ __forceinline__ void finish_send(const GroupCtx& g, const ChainIO& io
   if (last_block_done(ll_word(g, SignalHeader::kLlSendDone))) finish_send_last(g, io, gate);
 }
 
-// End of every receive kernel: once all blocks have read their part of the half, tell every rank (this one too)
-// that epoch n is consumed here, so their op n+2 may reuse the half; then in_flight_device -= 1 and the state.
-__device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
-  if (!last_block_done(ll_word(g, SignalHeader::kLlRecvDone))) return;
+// Thread 0 of a receive's last block, after it published the consumed epoch: in_flight_device -= 1, the state.
+__device__ __forceinline__ void end_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
   if (gate.work) {
-    __threadfence_system();
-    for (int d = 0; d < g.num_ranks; ++d)
-      st_release_sys(header_word(peer_base(g, d),
-                                 SignalHeader::kLlConsumed + 4 * (kMaxGroupRanks * (gate.epoch & 1u) + g.rank)),
-                     gate.epoch);
     // NOTE: never below 0 (a receive whose send predates the group's zeroing cannot exist, but stay saturating).
     uint32_t* dev = ll_word(g, SignalHeader::kLlInFlight);
     uint32_t cur = load_volatile(dev);
@@ -163,6 +171,21 @@ __device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io
     }
   }
   write_state(io, gate);
+}
+
+// End of every receive kernel on the NVLink path: once all blocks have read their part of the half, tell every
+// rank (this one too) that epoch n is consumed here (the epoch, stored into its header through the peer pointer),
+// so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path: nvshmem/device/ll_rdma.cu.)
+__device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (!last_block_done(ll_word(g, SignalHeader::kLlRecvDone))) return;
+  if (gate.work) {
+    __threadfence_system();
+    for (int d = 0; d < g.num_ranks; ++d)
+      st_release_sys(header_word(peer_base(g, d),
+                                 SignalHeader::kLlConsumed + 4 * (kMaxGroupRanks * (gate.epoch & 1u) + g.rank)),
+                     gate.epoch);
+  }
+  end_recv(g, io, gate);
 }
 
 // The frame of every receive kernel: open (block-uniform decision), body(epoch) only when the op works, finish.

@@ -201,7 +201,7 @@ Status destroy_group(int64_t id) {
 }
 
 Status register_external_group(int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases,
-                               int64_t buffer_bytes, int64_t set_id, int64_t* id_out) {
+                               int64_t buffer_bytes, int64_t set_id, int64_t* id_out, const std::vector<int>& pes) {
   const int n = static_cast<int>(peer_bases.size());
   if (n < 1 || n > kMaxGroupRanks)
     return Status::Error("a group needs 1.." + std::to_string(kMaxGroupRanks) + " ranks, got " + std::to_string(n));
@@ -213,6 +213,11 @@ Status register_external_group(int device_ordinal, int rank, const std::vector<u
                            "-byte aligned (no load/store mapping of that peer's buffer: is it NVLink-reachable?)");
   if (buffer_bytes < kSignalHeaderBytes)
     return Status::Error("buffer_bytes must be >= " + std::to_string(kSignalHeaderBytes));
+  if (!pes.empty() && static_cast<int>(pes.size()) != n)
+    return Status::Error("pes must name one NVSHMEM PE per rank (" + std::to_string(n) + "), got " +
+                         std::to_string(pes.size()));
+  for (int p : pes)
+    if (p < 0) return Status::Error("pes must be >= 0, got " + std::to_string(p));
   int count = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
   if (device_ordinal < 0 || device_ordinal >= count)
@@ -227,6 +232,7 @@ Status register_external_group(int device_ordinal, int rank, const std::vector<u
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&g->info.sm_counts[rank], cudaDevAttrMultiProcessorCount, device_ordinal));
   for (uintptr_t b : peer_bases) g->buffers.push_back(reinterpret_cast<char*>(b));
+  g->info.pes = pes;
   return insert_group(std::move(g), set_id, id_out);
 }
 
@@ -332,6 +338,7 @@ Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* 
       for (int r = 0; r < v.num_ranks; ++r) v.peers.base[r] = g->buffers[r];
       v.buffer_bytes = g->info.buffer_bytes;
       v.sm_count = g->info.sm_counts[v.rank];
+      for (int r = 0; r < v.num_ranks && r < static_cast<int>(g->info.pes.size()); ++r) v.pe[r] = g->info.pes[r];
       out->view = v;
       out->binding = b->second;
       out->generation = gen;

@@ -37,7 +37,10 @@ def parse_args(argv, on_gpu):
     p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (normal mode sweep)")
     p.add_argument("--ll-tokens", default=None, help="comma-separated tokens per rank (low-latency sweep)")
     p.add_argument("--ll-mode", default="per_expert",
-                   help="comma-separated EPConfig.low_latency_mode values to run (per_expert, per_rank, auto)")
+                   help="comma-separated EPConfig.low_latency_mode values to run (per_expert, per_rank, auto), or "
+                        "nvshmem: per_expert with allow_nvlink_for_low_latency=False (NVSHMEM puts; one process per "
+                        "GPU, e.g. JAX_EP_TRANSPORT=nvshmem python -m jax_ep.launch -n 1 -m jax_ep.bench ...; not "
+                        "together with the other values: the configs of one axis must agree)")
     p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256)
     p.add_argument("--topk", type=int, default=8 if on_gpu else 4)
     p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="normal mode experts")
@@ -55,8 +58,11 @@ def parse_args(argv, on_gpu):
     args.ll_tokens = [int(t) for t in (args.ll_tokens or ("128" if on_gpu else "16")).split(",")]
     args.ll_modes = [m for m in args.ll_mode.split(",") if m]
     for m in args.ll_modes:
-        if m not in ("per_expert", "per_rank", "auto"):
-            p.error(f"--ll-mode: {m!r} is not one of per_expert, per_rank, auto")
+        if m not in ("per_expert", "per_rank", "auto", "nvshmem"):
+            p.error(f"--ll-mode: {m!r} is not one of per_expert, per_rank, auto, nvshmem")
+    if "nvshmem" in args.ll_modes and len(args.ll_modes) > 1:
+        p.error("--ll-mode nvshmem runs alone (the configs of one mesh axis must agree on "
+                "allow_nvlink_for_low_latency)")
     return args
 
 

@@ -57,9 +57,12 @@ def bench_mesh(devices) -> Mesh:
 
 
 def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert") -> jax_ep.EPConfig:
-    """The config of one sweep (the same object everywhere: __main__ initializes all of them up front)."""
+    """The config of one sweep (the same object everywhere: __main__ initializes all of them up front). ll_mode
+    "nvshmem": per_expert rows moved by NVSHMEM puts (allow_nvlink_for_low_latency=False)."""
+    over_nvshmem = ll_mode == "nvshmem"
     return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
-                           low_latency_mode=ll_mode)
+                           low_latency_mode="per_expert" if over_nvshmem else ll_mode,
+                           allow_nvlink_for_low_latency=not over_nvshmem)
 
 
 def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert"):

@@ -113,7 +113,8 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
                                        cfg.capacity(num_ranks), cfg.num_experts))
     low_latency = 0
     if cfg.uses_low_latency_buffers():
-        low_latency = int(m.low_latency_buffer_bytes(cfg.hidden, cfg.max_tokens_per_rank, num_ranks, cfg.num_experts))
+        low_latency = int(m.low_latency_buffer_bytes(cfg.hidden, cfg.max_tokens_per_rank, num_ranks, cfg.num_experts,
+                                                     not cfg.allow_nvlink_for_low_latency))
     return BufferSizeHint(normal, low_latency, normal + low_latency)
 
 
@@ -256,6 +257,7 @@ def _build(mesh, configs, retired: list) -> Runtime:
     cuda_configs = [c for c, b in backends.items() if b == "cuda"]
     # one process per GPU (NVSHMEM): several processes, or CUDA configs with JAX_EP_TRANSPORT=nvshmem
     multi = jax.process_count() > 1 or (bool(cuda_configs) and _one_process_per_gpu())
+    _check_low_latency_transport(cuda_configs, multi)
     axes = sorted({c.axis_name for c in cuda_configs})
     buffer_bytes = ll_offset = ll_bytes = 0
     if cuda_configs:
@@ -281,6 +283,24 @@ def _build(mesh, configs, retired: list) -> Runtime:
                    low_latency_offset=ll_offset, low_latency_bytes=ll_bytes,
                    teams=transport.summary().get("teams", []) if transport else [], transport_state=transport,
                    retired=retired, bound_axes=tuple(axes) if transport else (), mesh=mesh)
+
+
+def _check_low_latency_transport(cuda_configs, one_process_per_gpu: bool) -> None:
+    """EPConfig.allow_nvlink_for_low_latency=False needs the NVSHMEM transport, and the configs of one mesh axis must
+    agree on it (their low-latency ops share one region and one consumed protocol)."""
+    by_axis: dict = {}
+    for c in cuda_configs:
+        if c.uses_low_latency_buffers():
+            by_axis.setdefault(c.axis_name, set()).add(c.allow_nvlink_for_low_latency)
+    for axis, values in sorted(by_axis.items()):
+        if len(values) > 1:
+            raise EPError(f"jax_ep.initialize: the CUDA configs of mesh axis {axis!r} disagree on "
+                          f"EPConfig.allow_nvlink_for_low_latency; every config of one axis must use the same value")
+        if values == {False} and not one_process_per_gpu:
+            raise EPError(f"jax_ep.initialize: EPConfig.allow_nvlink_for_low_latency=False (axis {axis!r}) moves "
+                          f"low-latency rows with NVSHMEM puts, which needs one process per GPU: start the program "
+                          f"with python -m jax_ep.launch -n N (one GPU: JAX_EP_TRANSPORT=nvshmem python -m "
+                          f"jax_ep.launch -n 1 ...)")
 
 
 def _connect_multi_process(mesh, configs, backends, groups, cuda_configs, axes, buffer_bytes, retired, timings):

@@ -152,7 +152,8 @@ class NvshmemTransport:
         teams_mod.check_team_budget(plan)
         return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
                      device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
-                     timeout_s=agreement.timeout_of(cuda_configs), timings=timings)
+                     timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
+                     needs_device_library=any(not c.allow_nvlink_for_low_latency for c in cuda_configs))
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -205,7 +206,8 @@ def prepare(required_heap_bytes: int) -> dict:
 
 
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
-          process_id: int, num_processes: int, timeout_s: float, timings: dict) -> NvshmemTransport:
+          process_id: int, num_processes: int, timeout_s: float, timings: dict,
+          needs_device_library: bool = False) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
@@ -257,6 +259,12 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             t = time.perf_counter()
             device = check_device_api(m, process_id, timeout_s)
             timings["device_check"] = time.perf_counter() - t
+            # the NVSHMEM low-latency kernels (EPConfig.allow_nvlink_for_low_latency=False) for the native handlers
+            _native.module().set_low_latency_rdma_ops(m.low_latency_rdma_ops())
+        elif needs_device_library:
+            raise EPError("jax_ep.initialize: EPConfig.allow_nvlink_for_low_latency=False needs NVSHMEM's device "
+                          "library in jax_ep._jax_ep_nvshmem, and this build has none (the nvidia-nvshmem-cu13 "
+                          "wheel it was built against lacks lib/libnvshmem_device.a; docs/BUILDING.md)")
 
         t = time.perf_counter()
         for axis in axes:
@@ -272,7 +280,7 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                               f"processes {[pe for pe, p in zip(pes, peers) if not p]} of its EP group on axis "
                               f"{axis!r}: jax_ep's kernels need every rank of a group on NVLink/P2P")
             native_ids[axis] = _native.module().group_register_external(
-                device_ordinal, pes.index(process_id), peers, buffer_bytes, -1)
+                device_ordinal, pes.index(process_id), peers, buffer_bytes, -1, list(pes))
         timings["allocate"] = time.perf_counter() - t
 
         t = time.perf_counter()

@@ -3,6 +3,11 @@ T=16, H=256, K=4, E=8; fp8 and bf16 dispatch, combine, the split phases and a ch
 three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks recv_count against NumPy and prints 'sanitize_ll_small: OK' at the end.
 
     compute-sanitizer --tool memcheck --kernel-name kns=ll_ python3 tests/gpu/sanitize_ll_small.py [per_rank]
+
+Mode "nvshmem": per_expert with allow_nvlink_for_low_latency=False (the NVSHMEM kernels, names rdma_*), run in one
+process per GPU:
+    JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool memcheck --kernel-name kns=rdma_ \
+        python3 -m jax_ep.launch -n 1 tests/gpu/sanitize_ll_small.py nvshmem
 """
 
 import os
@@ -25,7 +30,10 @@ def main(mode: str = "per_expert"):
         print("sanitize_ll_small skipped: needs a CUDA GPU, found none")
         return
     mesh = Mesh(np.array(gpus[:R]), ("ep",))
-    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0, low_latency_mode=mode)
+    over_nvshmem = mode == "nvshmem"
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0,
+                          low_latency_mode="per_expert" if over_nvshmem else mode,
+                          allow_nvlink_for_low_latency=not over_nvshmem)
     jax_ep.initialize(mesh, cfg)
 
     def body(x, idx, w):

@@ -4,6 +4,10 @@ Oracle: the reference backend on the same GPUs (itself checked against the NumPy
 Dispatch: counts, layout_range, src_info and bf16 rows bit-identical; fp8 scales identical and fp8 codes within one
 e4m3 step (XLA:GPU's f32 -> e4m3 conversion rounds some subnormals differently from the hardware cvt). Rows >=
 recv_count are unspecified (SPEC §4) and not compared. Combine within f32-accumulation tolerance of bf16 outputs.
+
+With JAX_EP_TEST_LL_OVER_NVSHMEM=1 every config sets allow_nvlink_for_low_latency=False, so the same tests run the
+NVSHMEM put-with-signal kernels (nvshmem/device/ll_rdma.cu); tests/gpu/test_low_latency_nvshmem.py runs this file
+that way under `python -m jax_ep.launch` with JAX_EP_TRANSPORT=nvshmem.
 """
 
 from __future__ import annotations
@@ -29,16 +33,24 @@ def _mesh(ranks):
     return Mesh(np.array(jax.devices("gpu")[:ranks]), ("ep",))
 
 
+OVER_NVSHMEM = os.environ.get("JAX_EP_TEST_LL_OVER_NVSHMEM") == "1"
+
+
 def _cfgs(**kw):
     # a short device timeout: a kernel bug ends the run in seconds instead of hanging it
     return {b: jax_ep.EPConfig(kw.get("E", E), kw.get("H", H), K, kw.get("T_MAX", T_MAX), backend=b,
-                               timeout_seconds=10.0)
+                               timeout_seconds=10.0, allow_nvlink_for_low_latency=not OVER_NVSHMEM)
             for b in ("cuda", "reference")}
 
 
 @pytest.fixture(autouse=True)
 def _finalize():
     yield
+    rt = jax_ep.runtime.current()
+    if OVER_NVSHMEM and rt is not None:  # the NVSHMEM kernels really ran: their transport, their table installed
+        from jax_ep import _native
+
+        assert rt.transport == "nvshmem" and _native.module().has_low_latency_rdma_ops(), rt.summary()
     jax_ep.finalize()
 
 
@@ -257,8 +269,8 @@ def test_compiled_hlo_uses_the_split_custom_calls():
     jax_ep.initialize(mesh, *cfgs.values())
     x, idx, w = _inputs(np.random.default_rng(1), R, 16)
     text = _round_trip_program(cfgs["cuda"], mesh, True).lower(x, idx, w).compile().as_text()
-    for target in ("jax_ep_ll_dispatch_send_v3", "jax_ep_ll_dispatch_recv_v3", "jax_ep_ll_combine_send_v3",
-                   "jax_ep_ll_combine_recv_v3"):
+    for target in ("jax_ep_ll_dispatch_send_v4", "jax_ep_ll_dispatch_recv_v4", "jax_ep_ll_combine_send_v4",
+                   "jax_ep_ll_combine_recv_v4"):
         assert target in text, target
     for collective in ("all-to-all", "all-gather", "all-reduce"):
         assert collective not in text, f"stray {collective} in the compiled LL program"

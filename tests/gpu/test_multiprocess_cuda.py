@@ -127,6 +127,21 @@ def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_pa
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: NVSHMEM path != peer path, one GPU")
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_low_latency_over_nvshmem_puts_matches_reference(n):
+    """EPConfig(allow_nvlink_for_low_latency=False): ep_cuda.py's whole program with the LL rows moved by NVSHMEM
+    put-with-signal (nvshmem/device/ll_rdma.cu) between simulated nodes of one GPU (num_max_nvl_peers=1); n=1 runs
+    it with JAX_EP_TRANSPORT=nvshmem (every put goes to the process itself)."""
+    _require(n)
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    if not nvshmem_runtime.module().has_device_library():
+        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
+    out = _launch(n, "--nvl", "1", "--ll-over-nvshmem", env={"JAX_EP_TRANSPORT": "nvshmem"})
+    for tag in ("runtime", "device_check", "correctness", "reinitialize", "done"):
+        assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
+
+
 @pytest.mark.parametrize("n,dp,nvl,want_sizes,exit_hook", [
     (4, 1, 8, [4], False),              # R = 4 fits one NVLink domain: no sub team
     (4, 1, 2, [4, 2, 2], False),        # two "nodes" of two: sub teams {0, 2} and {1, 3}

@@ -26,5 +26,11 @@ constexpr int64_t kLowLatencyScratchBytes = 4 * kMaxLowLatencyExperts;
 constexpr int64_t kLowLatencyMsgHeader = 16;     // bytes before the payload of a dispatch message
 constexpr int64_t kRankMsgHeader = 80;           // per_rank mode: i32 token, 12 pad, i32 local expert x kMaxTopk
 constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send and their receive (buffer halves)
+// The RDMA words of the LL region (NVSHMEM puts, EPConfig.allow_nvlink_for_low_latency=False), at offsets that do
+// not depend on the config, so every config of an axis finds them at the same place: consumed counters u64
+// [2 parities][kMaxGroupRanks] (one 256-byte block), then counted signals u64 [2 halves][kMaxLowLatencyExperts].
+constexpr int64_t kLowLatencyRdmaBytes = 256 + 2 * 8 * kMaxLowLatencyExperts;
+// Bytes at the start of every LL region, before the two halves: scratch counters, then the RDMA words.
+constexpr int64_t kLowLatencyFixedBytes = kLowLatencyScratchBytes + kLowLatencyRdmaBytes;
 
 }  // namespace jax_ep

@@ -22,6 +22,7 @@ struct GroupCtx {
   int32_t rank;          // this device's rank in the group (= its index along the mesh axis)
   int32_t num_ranks;     // R <= kMaxGroupRanks
   uint64_t timeout_ns;   // device waits trap after this long
+  int32_t pe[kMaxGroupRanks];  // one process per GPU: NVSHMEM world PE of every rank (NVSHMEM puts); else -1
 };
 
 }  // namespace jax_ep

@@ -26,6 +26,7 @@ struct GroupInfo {
   int64_t buffer_bytes = 0;
   std::vector<uintptr_t> buffers;      // staging base per rank (device addresses, for diagnostics)
   std::vector<int> sm_counts;
+  std::vector<int> pes;                // external groups: NVSHMEM world PE of every rank (empty: not given)
 };
 
 // What a handler needs for one device of a group.
@@ -35,6 +36,7 @@ struct GroupDeviceView {
   int32_t num_ranks = 0;
   int64_t buffer_bytes = 0;
   int32_t sm_count = 0;
+  int32_t pe[kMaxGroupRanks] = {-1, -1, -1, -1, -1, -1, -1, -1};  // GroupInfo::pes, -1 when not given
 };
 
 // device_ordinals: CUDA device ordinals in rank order (jax Device.local_hardware_id along the mesh axis).
@@ -48,8 +50,10 @@ Status destroy_group(int64_t id);
 // group, the CUDA ordinal it runs on, and peer_bases[r] = rank r's buffer as this device addresses it. The buffer
 // must be zeroed by the caller before the first op (e.g. cudaMemset + a collective barrier). No memory is freed by
 // destroy_group for such a group. Kernels see exactly what create_group gives them (same PeerTable).
+// pes: the NVSHMEM world PE of every rank (for kernels that put through NVSHMEM), or empty.
 Status register_external_group(int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases,
-                               int64_t buffer_bytes, int64_t set_id, int64_t* id_out);
+                               int64_t buffer_bytes, int64_t set_id, int64_t* id_out,
+                               const std::vector<int>& pes = {});
 
 // Runs one group barrier on this process's device(s) of the group and waits for it: every rank must call it (a
 // collective warm-up; in-process groups run it inside create_group). Returns an error instead of hanging when a

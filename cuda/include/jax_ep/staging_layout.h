@@ -65,7 +65,8 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 }
 
 // ---- low-latency mode -----------------------------------------------------------------------------------------
-//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | half 0 | half 1]
+//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | RDMA words (kLowLatencyRdmaBytes) | half 0 |
+//             half 1]
 //
 // LL ops (dispatch and combine alike) take consecutive epochs n = 1, 2, ... from one device counter; op n uses
 // half n % 2. A rank writes into a peer's half only after that peer has finished reading the op two epochs back
@@ -90,6 +91,14 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 //               combine: partial sums [R][T_max] of 2H bytes, row (d, t) = rank d's weighted sum for token t
 //   weights     f32 [R][T_max][kMaxTopk]: source s's topk_weights, for the combine on the expert side
 //
+// Staged configs (EPConfig.allow_nvlink_for_low_latency=False: every row moves by NVSHMEM put-with-signal, the
+// RDMA path of nvshmem/device/ll_rdma.cu) use the same halves and message layout, plus:
+//   send     local send slots (the puts' sources must be symmetric memory): dispatch messages [T_max], or combine
+//            rows [E][T_max] (row i of local expert l at l * R * T_max + i)
+//   and, outside the halves at fixed offsets, the RDMA words: counted signals u64 [E] per half (dispatch: index
+//   l * R + source; combine: the expert e) instead of d_flags / d_counts / c_flags, and consumed counters u64
+//   [parity][source] instead of the header's consumed epochs.
+//
 // NOTE: every flag word has exactly one writer (d_flags[l][s], r_flags[s], r_counts[s], w_flags[s]: rank s;
 // c_flags[e]: e's owner; p_flags[d]: rank d), so two writes to one word are ordered by that writer's stream, and a
 // late write from an old epoch can never overwrite a newer one.
@@ -104,7 +113,12 @@ struct LowLatencyLayout {
   int64_t weights;      // per_rank mode: f32 [R][T_max][kMaxTopk]
   int64_t msg_stride;   // dispatch message bytes
   int64_t rank_msg_stride;  // per_rank dispatch message bytes
+  int64_t send;         // staged configs (NVSHMEM puts): offset inside a half of the local send slots, else 0
+  int64_t send_bytes;   //   their bytes: dispatch messages [T_max], or combine rows [E][T_max] bf16 (the larger)
   int64_t half_needed;  // bytes this config needs in one half
+  // RDMA words (buffer offsets; the same for every config, kLowLatencyRdmaBytes after the scratch):
+  int64_t rdma_consumed;   // u64 [2][kMaxGroupRanks]: ops of parity p received by rank s (ADD 1 each, never reset)
+  int64_t rdma_signals[2]; // u64 [kMaxLowLatencyExperts] per half: counted signals (nvshmem/device/counted_signal.cuh)
 };
 
 // Word offsets inside rank_words (in u32 units).
@@ -124,8 +138,10 @@ JAX_EP_HD int64_t ll_rank_msg_stride(int64_t hidden) {
 }
 
 // region_offset / half_bytes: where the LL region is and how big one half is (0, 0 for the size computation only).
+// staged: the config sends through NVSHMEM puts, whose sources are local send slots in the symmetric buffer.
 JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts,
-                                                   int64_t num_ranks, int64_t region_offset, int64_t half_bytes) {
+                                                   int64_t num_ranks, int64_t region_offset, int64_t half_bytes,
+                                                   bool staged = false) {
   LowLatencyLayout b{};
   const int64_t E = num_experts;
   b.c_flags = 0;
@@ -142,22 +158,33 @@ JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_t
   rows_end = rank_end > rows_end ? rank_end : rows_end;
   b.weights = align_up(rows_end);
   b.half_needed = align_up(b.weights + 4 * num_ranks * max_tokens_per_rank * kMaxTopk);
+  b.send = b.send_bytes = 0;
+  if (staged) {
+    const int64_t combine_rows = E * max_tokens_per_rank * 2 * hidden;
+    const int64_t messages = max_tokens_per_rank * (b.msg_stride > b.rank_msg_stride ? b.msg_stride : b.rank_msg_stride);
+    b.send = b.half_needed;
+    b.send_bytes = combine_rows > messages ? combine_rows : messages;
+    b.half_needed = align_up(b.send + b.send_bytes);
+  }
   b.scratch = region_offset;
-  b.half[0] = region_offset + kLowLatencyScratchBytes;
+  b.rdma_consumed = region_offset + kLowLatencyScratchBytes;
+  b.rdma_signals[0] = b.rdma_consumed + 256;
+  b.rdma_signals[1] = b.rdma_signals[0] + 8 * kMaxLowLatencyExperts;
+  b.half[0] = region_offset + kLowLatencyFixedBytes;
   b.half[1] = b.half[0] + half_bytes;
   return b;
 }
 
 // Bytes of the low-latency region one rank needs for a config (both halves and the scratch).
 inline int64_t low_latency_buffer_bytes(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks,
-                                        int64_t num_experts) {
-  return kLowLatencyScratchBytes +
-         2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, num_ranks, 0, 0).half_needed;
+                                        int64_t num_experts, bool staged = false) {
+  return kLowLatencyFixedBytes +
+         2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, num_ranks, 0, 0, staged).half_needed;
 }
 
 // Bytes of one half inside an LL region of ll_bytes (what a bound region offers every config).
 JAX_EP_HD int64_t ll_half_bytes(int64_t ll_bytes) {
-  return ll_bytes > kLowLatencyScratchBytes ? (ll_bytes - kLowLatencyScratchBytes) / 2 / kAlign * kAlign : 0;
+  return ll_bytes > kLowLatencyFixedBytes ? (ll_bytes - kLowLatencyFixedBytes) / 2 / kAlign * kAlign : 0;
 }
 
 // ---- the plan -------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ ap.add_argument("--teams-only", action="store_true", help="initialize, check the
 ap.add_argument("--no-finalize", action="store_true", help="leave the teardown to jax_ep's exit hook")
 ap.add_argument("--tokens", type=int, default=64)
 ap.add_argument("--hidden", type=int, default=2048)
+ap.add_argument("--ll-over-nvshmem", action="store_true",
+                help="EPConfig(allow_nvlink_for_low_latency=False): LL rows by NVSHMEM puts (nvshmem/device/ll_rdma.cu)")
 a = ap.parse_args()
 
 from jax_ep.launch import init_from_env  # noqa: E402
@@ -60,7 +62,8 @@ E, K, T, H = 8 * R, 4, a.tokens, a.hidden
 
 
 def configs(hidden=H):
-    return {b: jax_ep.EPConfig(E, hidden, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0)
+    return {b: jax_ep.EPConfig(E, hidden, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0,
+                               allow_nvlink_for_low_latency=not a.ll_over_nvshmem)
             for b in ("cuda", "reference")}
 
 

@@ -1,0 +1,352 @@
+// Low-latency dispatch and combine over NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg
+// of docs/INTERNODE.md. per_expert mode. Every row moves by put-with-signal into the slot the NVLink kernels
+// (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs, state/token protocol and outputs; what
+// differs is how data and completion travel:
+//   rows        from a local send slot of the symmetric buffer (a put's source must be symmetric or registered
+//               memory on remote transports) with nvshmemx_putmem_signal_nbi_warp; NVSHMEM itself picks P2P stores
+//               for a reachable peer and its remote transport for the others;
+//   completion  counted signals (counted_signal.cuh): u64 words at the receiver, one per (local expert, source) for
+//               dispatch and per expert for combine, each message ADDs 1 after its bytes, the sender announces its
+//               count with one signal ADD; no flag SET (IBRC/UCX need GDRCopy for it) and no fence before counts;
+//   consumed    u64 counters per (parity, source) that every receiver ADDs 1 to once it has read op n, at every rank;
+//               a sender of op n waits until each peer's counter of n's parity reached consumed_target(n).
+// Launched through the LowLatencyRdmaOps table (jax_ep/rdma_ops.h) by the handlers of jax_ep._jax_ep_native.
+// NOTE (memory ordering): a receiver reads a signal word with a volatile load and then fences at system scope before
+// it reads the rows (the sender's put-with-signal made the bytes visible before the signal); a sender's message is
+// complete in its send slot (__syncthreads or __syncwarp, then __threadfence) before the put reads it.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "device/counted_signal.cuh"
+#include "device/ll_rdma.h"
+#include "kernels/ll_device.cuh"
+#include "kernels/ll_protocol.cuh"
+#include "kernels/ll_recv.cuh"
+
+namespace jax_ep::rdma {
+namespace {
+
+using namespace jax_ep::ll;  // NOLINT
+
+// The counted-signal words of op `epoch`'s half, as this device addresses them (the same symmetric offset at every
+// PE). NOTE: a select, not rdma_signals[epoch & 1] (a dynamic index into a by-value parameter spills it).
+__device__ __forceinline__ uint64_t* signal_words(const Ctx& c, uint32_t epoch) {
+  return reinterpret_cast<uint64_t*>(self_base(c.g) + ((epoch & 1u) ? c.ll.rdma_signals[1] : c.ll.rdma_signals[0]));
+}
+
+__device__ __forceinline__ uint64_t* consumed_words(const Ctx& c) {
+  return reinterpret_cast<uint64_t*>(self_base(c.g) + c.ll.rdma_consumed);
+}
+
+// A bounded wait for a complete counted signal; after c.g.timeout_ns it prints who waited for what and traps.
+// No fence: for words whose data is not read afterwards (wait_signal fences).
+__device__ __forceinline__ uint64_t wait_signal_relaxed(uint64_t* word, const Ctx& c, const char* what, int index) {
+  uint64_t seen = 0;
+  if (!wait_complete(word, c.g.timeout_ns, &seen)) {
+    printf("jax_ep: timeout after %llu ns in %s on rank %d: signal %d has %u messages, announced %d; a peer is "
+           "missing or runs another program. Trapping.\n",
+           static_cast<unsigned long long>(c.g.timeout_ns), what, c.g.rank, index, static_cast<uint32_t>(seen),
+           static_cast<int>(seen >> kAnnounceShift) - 1);
+    __trap();
+  }
+  return seen;
+}
+
+__device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, const char* what, int index) {
+  const uint64_t seen = wait_signal_relaxed(word, c, what, index);
+  __threadfence_system();  // the rows the signal vouches for are read after it
+  return seen;
+}
+
+// Before op `epoch` writes into peer d's half: d has read the op two epochs back from it.
+__device__ __forceinline__ void wait_consumed_rdma(const Ctx& c, int d, uint32_t epoch) {
+  uint64_t* word = consumed_words(c) + kMaxGroupRanks * (epoch & 1u) + d;
+  const uint64_t want = consumed_target(epoch);
+  if (nvshmem_signal_fetch(word) >= want) return;
+  const uint64_t start = global_timer_ns();
+  while (nvshmem_signal_fetch(word) < want) {
+    if (global_timer_ns() - start > c.g.timeout_ns) {
+      printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the op "
+             "two epochs back (consumed %llu, want %llu). Trapping.\n",
+             static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
+             static_cast<unsigned long long>(nvshmem_signal_fetch(word)), static_cast<unsigned long long>(want));
+      __trap();
+    }
+  }
+}
+
+// A dispatch message (header + payload) travels as this many counted messages of at most kSegBytes each.
+__host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int hidden) {
+  const int payload_bytes = use_fp8 ? hidden + 4 * (hidden / static_cast<int>(kFp8Block)) : 2 * hidden;
+  return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + kSegBytes - 1) / kSegBytes;
+}
+
+// The receivers' Wait policy (ll_recv.cuh): counted signals instead of epoch flags. parts: counted messages per
+// dispatch row (dispatch_message_parts; 1 for the combine, which only waits for completion).
+struct RdmaWait {
+  int parts;
+  __device__ __forceinline__ int32_t source_count(const Ctx& c, const char*, uint32_t epoch, int l, int s) const {
+    const int i = l * c.g.num_ranks + s;
+    return static_cast<int32_t>(announced(wait_signal(signal_words(c, epoch) + i, c, "low-latency dispatch "
+                                                      "receive (NVSHMEM)", i)) / static_cast<uint32_t>(parts));
+  }
+  __device__ __forceinline__ void expert_rows(const Ctx& c, char*, uint32_t epoch, int e) const {
+    wait_signal(signal_words(c, epoch) + e, c, "low-latency combine receive (NVSHMEM)", e);
+  }
+};
+
+// The frame of both receive kernels: open, body, and at the end, in the last block to finish (all its threads):
+// every counted signal of the half is complete (each sender announces to every rank, so no late announce can land
+// after the reset), the words go back to 0 for op n+2, then thread 0 adds 1 to this rank's consumed counter of
+// this parity at every rank and ends the receive (end_recv: in_flight_device, state).
+// NOTE: the E words are spread over the block's threads: one thread polling E words serially (a volatile load and
+// a system fence each) cost ~280 us per op at E=288.
+template <typename Params, typename Body>
+__device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
+  const Ctx& c = p.c;
+  __shared__ Gate s_gate;
+  __shared__ int32_t s_last;
+  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
+  __syncthreads();
+  if (s_gate.work) body(s_gate.epoch);  // block-uniform
+  if (!last_block_all(ll_word(c.g, SignalHeader::kLlRecvDone), &s_last)) return;
+  if (s_gate.work) {
+    uint64_t* words = signal_words(c, s_gate.epoch);
+    for (int i = threadIdx.x; i < c.num_experts; i += blockDim.x) {
+      wait_signal_relaxed(words + i, c, "low-latency receive (NVSHMEM, the last announcements)", i);
+      words[i] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // every reset is visible before any sender can see the count below
+      uint64_t* mine = consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank;
+      for (int d = 0; d < c.g.num_ranks; ++d) nvshmemx_signal_op(mine, 1, NVSHMEM_SIGNAL_ADD, c.g.pe[d]);
+    }
+  }
+  if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
+}
+
+// ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
+// its distinct experts' owners in 2 KB parts (one counted message each, spread over the block's warps). Counts per
+// expert in this rank's scratch; the last block announces them all (rows x parts). -----------------------------
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
+  const int T = p.num_tokens, Tm = c.max_tokens, warp = warp_id(), nw = num_warps();
+  char* self = self_base(g);
+  const int64_t half = half_offset(c.ll, epoch);
+  uint32_t* counts = reinterpret_cast<uint32_t*>(self + c.ll.scratch);  // [E], zero between kernels
+  uint64_t* signals = signal_words(c, epoch);
+  __shared__ int32_t s_dest[kMaxTopk];
+  __shared__ int32_t s_pos[kMaxTopk];
+  __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
+  __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
+  if (threadIdx.x < R) wait_consumed_rdma(c, threadIdx.x, epoch);  // token_slots' __syncthreads orders the rest
+  const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
+  const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
+  const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
+  const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
+  const int parts = dispatch_message_parts(p.use_fp8, H);
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    token_slots(p.topk_idx, t, K, E, 1, s_dest, s_pos, s_part);
+    if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
+    char* slot = self + half + c.ll.send + static_cast<int64_t>(t) * c.ll.msg_stride;
+    const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
+    if (p.use_fp8) {
+      for (int seg = warp; seg < nseg_in; seg += nw)
+        quantize_segment(slot + kLowLatencyMsgHeader, row, H, seg * kSegChannels, min(H, (seg + 1) * kSegChannels),
+                         s_scales[warp]);
+    } else {
+      for (int seg = warp; seg < nseg_out; seg += nw)
+        copy_segment_nc(slot + kLowLatencyMsgHeader + seg * kSegBytes,
+                        reinterpret_cast<const char*>(row) + seg * kSegBytes,
+                        min(kSegBytes, payload_bytes - seg * kSegBytes));
+    }
+    if (threadIdx.x == 0) *reinterpret_cast<int4*>(slot) = make_int4(t, 0, 0, 0);
+    __threadfence();
+    __syncthreads();  // the whole message is in the slot before any warp puts it
+    for (int item = warp; item < K * parts; item += nw) {
+      const int k = item / parts, off = (item % parts) * kSegBytes;
+      const int dest = s_dest[k];
+      if (dest < 0) continue;
+      const int l = dest % L, d = dest / L;
+      char* dst = self + half + c.ll.rows + (static_cast<int64_t>(l * R + me) * Tm + s_pos[k]) * c.ll.msg_stride;
+      nvshmemx_putmem_signal_nbi_warp(dst + off, slot + off, min(kSegBytes, msg_bytes - off), signals + l * R + me,
+                                      1, NVSHMEM_SIGNAL_ADD, g.pe[d]);
+    }
+    __syncthreads();  // s_dest / s_pos are reused by the next token
+  }
+}
+
+__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p) {
+  __shared__ Gate s_gate;
+  __shared__ int32_t s_last;
+  const Ctx& c = p.c;
+  if (threadIdx.x == 0)
+    open_send(c.g, p.io, p.fused, p.num_tokens,
+              p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
+              consumed_words(c));
+  __syncthreads();
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
+  if (!last_block_all(ll_word(c.g, SignalHeader::kLlSendDone), &s_last)) return;
+  if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
+    uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.ll.scratch);
+    uint64_t* signals = signal_words(c, s_gate.epoch);
+    const int R = c.g.num_ranks, L = c.num_local;
+    const uint32_t parts = static_cast<uint32_t>(dispatch_message_parts(p.use_fp8, c.hidden));
+    for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
+      const uint32_t n = atomicExch(counts + dest, 0u);
+      nvshmemx_signal_op(signals + (dest % L) * R + c.g.rank, announce_value(n * parts), NVSHMEM_SIGNAL_ADD,
+                         c.g.pe[dest / L]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) finish_send_last(c.g, p.io, s_gate);
+}
+
+// ---- combine send: blocks (local expert l, part); a warp puts one 2 KB segment of a valid row to the token's rank,
+// slot [global expert][token] (each segment is one counted message: one warp per 14 KB row left a put latency-bound,
+// 39 us at T=128 on one H100); part 0 announces, per source rank, its valid rows x segments. To a rank NVSHMEM
+// reaches by load/store (nvshmem_ptr non-null: an NVLink peer) a segment is stored straight from expert_out
+// through that pointer with jax_ep's copy and counted with a system-scope atomic, which is what a P2P
+// put-with-signal does (the issue's "NVLink peers keep the direct-pointer path"); to the others it is staged in the
+// send slots (a remote transport's source must be symmetric or registered memory) and put with signal. ---------
+// kStageAll: stage every row, as for a peer off the NVLink domain (the test hook JAX_EP_TEST_STAGE_ALL_PUTS=1: on
+// one host every peer is reachable, so only this exercises the staged path).
+template <bool kStageAll>
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
+  const int rows_per_expert = R * Tm, row_bytes = 2 * H;
+  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  char* self = self_base(g);
+  const int64_t half = half_offset(c.ll, epoch);
+  uint64_t* signal = signal_words(c, epoch) + me * L + l;  // expert e = me * L + l, at every source rank
+  const int32_t* src = p.src_info + static_cast<int64_t>(l) * rows_per_expert;
+  __shared__ int32_t s_off[kMaxGroupRanks + 1];
+  __shared__ int32_t s_direct[kMaxGroupRanks];
+  if (tid == 0) {
+    s_off[0] = 0;
+    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
+  }
+  if (tid < R) {
+    s_direct[tid] = !kStageAll && nvshmem_ptr(self, g.pe[tid]) != nullptr;
+    wait_consumed_rdma(c, tid, epoch);
+  }
+  __syncthreads();
+  const int total = s_off[R];
+  const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
+  if (part == 0 && tid < R) {  // a corrupted handle's rows (token out of range) are neither sent nor counted
+    uint32_t n = 0;
+    for (int i = s_off[tid]; i < s_off[tid + 1]; ++i) {
+      const int32_t t = __ldg(src + i);
+      n += (t >= 0 && t < Tm) ? 1u : 0u;
+    }
+    nvshmemx_signal_op(signal, announce_value(n * nseg), NVSHMEM_SIGNAL_ADD, g.pe[tid]);
+  }
+  const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
+  char* stage = self + half + c.ll.send + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
+  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
+    const int i = item / nseg, off = (item % nseg) * kSegBytes, bytes = min(kSegBytes, row_bytes - off);
+    const int32_t t = __ldg(src + i);
+    if (t < 0 || t >= Tm) continue;  // warp-uniform
+    const int s = source_of_row(s_off, R, i);
+    const char* from = rows + static_cast<int64_t>(i) * row_bytes + off;
+    char* dst = self + half + c.ll.rows + (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes + off;
+    if (s_direct[s]) {  // NVLink peer: what a P2P put-with-signal does, with jax_ep's copy
+      copy_segment_nc(static_cast<char*>(nvshmem_ptr(dst, g.pe[s])), from, bytes);
+      __syncwarp();
+      if (lane_id() == 0) {
+        __threadfence_system();  // the segment lands before its count
+        atomicAdd_system(static_cast<unsigned long long*>(nvshmem_ptr(signal, g.pe[s])), 1ull);
+      }
+      continue;
+    }
+    char* staged = stage + static_cast<int64_t>(i) * row_bytes + off;
+    copy_segment_nc(staged, from, bytes);
+    __threadfence();
+    __syncwarp();  // the staged segment is complete before the warp's put reads it
+    nvshmemx_putmem_signal_nbi_warp(dst, staged, bytes, signal, 1, NVSHMEM_SIGNAL_ADD, g.pe[s]);
+  }
+}
+
+template <bool kStageAll>
+__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0)
+    open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
+              &s_gate, consumed_words(p.c));
+  __syncthreads();
+  if (s_gate.work) combine_send_body<kStageAll>(p, s_gate.epoch);  // block-uniform
+  finish_send(p.c.g, p.io, s_gate);
+}
+
+// ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
+__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p) {
+  const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden)};
+  rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
+}
+
+__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p) {
+  rdma_receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
+}
+
+// ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
+const char* launch_error(const char* what) {
+  thread_local std::string message;
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return nullptr;
+  message = std::string(what) + " launch failed: " + cudaGetErrorString(e);
+  return message.c_str();
+}
+
+const char* refuse_per_rank(bool per_rank) {
+  return per_rank ? "low_latency_mode='per_rank' has no NVSHMEM kernels yet (EPConfig.allow_nvlink_for_low_latency="
+                    "False needs low_latency_mode='per_expert')"
+                  : nullptr;
+}
+
+const char* dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
+  if (const char* e = refuse_per_rank(p.per_rank)) return e;
+  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(p);
+  return launch_error("low-latency dispatch send (NVSHMEM)");
+}
+
+const char* dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
+  if (const char* e = refuse_per_rank(p.per_rank)) return e;
+  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  return launch_error("low-latency dispatch receive (NVSHMEM)");
+}
+
+const char* combine_send(const CombineSendParams& p, cudaStream_t stream) {
+  if (const char* e = refuse_per_rank(p.per_rank)) return e;
+  static const bool stage_all = [] {
+    const char* v = std::getenv("JAX_EP_TEST_STAGE_ALL_PUTS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  if (stage_all)
+    rdma_combine_send_kernel<true><<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  else
+    rdma_combine_send_kernel<false><<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  return launch_error("low-latency combine send (NVSHMEM)");
+}
+
+const char* combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
+  if (const char* e = refuse_per_rank(p.per_rank)) return e;
+  rdma_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
+  return launch_error("low-latency combine receive (NVSHMEM)");
+}
+
+const LowLatencyRdmaOps kOps = {kLowLatencyRdmaAbi, &dispatch_send, &dispatch_recv, &combine_send, &combine_recv};
+
+}  // namespace
+
+const LowLatencyRdmaOps* low_latency_ops() { return &kOps; }
+
+}  // namespace jax_ep::rdma
