@@ -14,13 +14,13 @@ from .ops_low_latency import (check_low_latency_state, low_latency_combine, low_
                               low_latency_combine_send, low_latency_dispatch, low_latency_dispatch_recv,
                               low_latency_dispatch_send, low_latency_state)
 from .ops_normal import capacity_mask, combine, dispatch, get_dispatch_layout
-from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize, warmup
+from .runtime import BufferSizeHint, Runtime, buffer_size_hint, finalize, initialize, rdma_size_hint, warmup
 from .runtime.nvshmem_env import NvshmemSettings, nvshmem_env
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "EPConfig", "initialize", "finalize", "warmup", "buffer_size_hint", "Runtime", "BufferSizeHint",
+    "EPConfig", "initialize", "finalize", "warmup", "buffer_size_hint", "rdma_size_hint", "Runtime", "BufferSizeHint",
     "get_dispatch_layout", "dispatch", "combine", "capacity_mask",
     "low_latency_state", "check_low_latency_state", "LowLatencyState",
     "low_latency_dispatch", "low_latency_combine", "low_latency_dispatch_send", "low_latency_dispatch_recv",

@@ -5,8 +5,11 @@ module (built in CI), and skip with the reason when it is not built."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import jax_ep
 from jax_ep import EPConfig, _native, runtime
 
 needs_native = pytest.mark.skipif(not _native.available(), reason=f"native extension: {_native.load_error()}")
@@ -50,3 +53,18 @@ def jax_ep_error():
     from jax_ep import EPError
 
     return EPError
+
+
+@needs_native
+def test_rdma_size_hint_is_all_symmetric_staging_with_send_slots_for_nvshmem_low_latency():
+    """One process per GPU keeps a config's whole staging in the NVSHMEM heap: normal + LL region; with
+    allow_nvlink_for_low_latency=False each LL half also holds the puts' send slots, E * T_max bf16 rows
+    (the larger of those and T_max dispatch messages)."""
+    m = _native.module()
+    over = dataclasses.replace(LL, allow_nvlink_for_low_latency=False)
+    assert jax_ep.rdma_size_hint(LL, 4) == runtime.buffer_size_hint(LL, 4).total_bytes
+    slots = 288 * 128 * 2 * 7168  # > 128 messages of 14576 bytes
+    assert jax_ep.rdma_size_hint(over, 4) - jax_ep.rdma_size_hint(LL, 4) == 2 * slots
+    assert m.low_latency_buffer_bytes(7168, 128, 4, 288, True) == runtime.buffer_size_hint(over, 4).low_latency_bytes
+    with pytest.raises(jax_ep_error(), match="num_ranks"):
+        jax_ep.rdma_size_hint(LL, 0)

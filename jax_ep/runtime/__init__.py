@@ -9,7 +9,7 @@ Transports never import the lifecycle.
 """
 
 from .lifecycle import (BufferSizeHint, GroupInfo, Runtime, buffer_size_hint, current, finalize, initialize,
-                        resolve_backend, runtime_for_trace, staging_plan, warmup)
+                        rdma_size_hint, resolve_backend, runtime_for_trace, staging_plan, warmup)
 
 __all__ = ["BufferSizeHint", "GroupInfo", "Runtime", "buffer_size_hint", "current", "finalize", "initialize",
-           "resolve_backend", "runtime_for_trace", "staging_plan", "warmup"]
+           "rdma_size_hint", "resolve_backend", "runtime_for_trace", "staging_plan", "warmup"]

@@ -118,6 +118,18 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
     return BufferSizeHint(normal, low_latency, normal + low_latency)
 
 
+def rdma_size_hint(cfg: EPConfig, num_ranks: int) -> int:
+    """Bytes of NVSHMEM symmetric memory one rank needs for `cfg` with one process per GPU (DeepEP's RDMA size hint).
+
+    In that model all of a config's staging is symmetric memory: its normal region and its low-latency region, the
+    latter with the send slots of the NVSHMEM puts when cfg.allow_nvlink_for_low_latency=False. initialize sizes the
+    heap (NVSHMEM_SYMMETRIC_SIZE) itself from the largest config per axis plus 256 MiB for NVSHMEM, unless the
+    variable is set; set it from this hint when a later initialize of the same process will need more.
+    Raises EPError like buffer_size_hint.
+    """
+    return buffer_size_hint(cfg, num_ranks).total_bytes
+
+
 def staging_plan(configs, num_ranks_of) -> tuple[int, int, int]:
     """(buffer_bytes, low_latency_offset, low_latency_bytes) of one device's staging for the CUDA `configs`
     (num_ranks_of(cfg) = R of its EP group): the native plan, [largest normal region | largest LL region]."""

@@ -142,6 +142,37 @@ def test_low_latency_over_nvshmem_puts_matches_reference(n):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
 
 
+def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):
+    """Issue 14, item 5 on GPUs: two launcher invocations on one host (as on two hosts: --num-hosts 2
+    --host-index i --coordinator), each -n 1 with its own CUDA_VISIBLE_DEVICES, form one EP2 job; ep_cuda.py then
+    runs with num_max_nvl_peers=1 (two "nodes" of one GPU) and the low-latency rows over NVSHMEM puts, checked
+    against the reference backend on every process."""
+    _require(2)
+    from jax_ep.launch.plan import free_port
+
+    port = free_port()
+    procs = []
+    try:
+        for h in (1, 0):  # the job waits for host 0's coordinator
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jax_ep.launch", "-n", "1", "--num-hosts", "2", "--host-index", str(h),
+                 "--coordinator", f"127.0.0.1:{port}", "--timeout", "220", SCRIPT, "--nvl", "1",
+                 "--ll-over-nvshmem"], cwd=ROOT, env=_env({"CUDA_VISIBLE_DEVICES": str(h)}),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join(o + e for o, e in outs)
+    assert [p.returncode for p in procs] == [0, 0], text[-8000:]
+    out = "".join(o for o, _ in outs)
+    for tag in ("runtime", "device_check", "teams", "correctness", "done"):
+        assert sorted(_lines(out, tag)) == [0, 1], f"{tag} missing from some rank\n{text[-8000:]}"
+    for line in _lines(out, "device_check").values():
+        assert "n_pes=2 complete=2" in line, line
+
+
 @pytest.mark.parametrize("n,dp,nvl,want_sizes,exit_hook", [
     (4, 1, 8, [4], False),              # R = 4 fits one NVLink domain: no sub team
     (4, 1, 2, [4, 2, 2], False),        # two "nodes" of two: sub teams {0, 2} and {1, 3}
