@@ -267,7 +267,7 @@ def test_normal_mode(case, variant, seed):
     dp, R, E, T, Tm, K, H, cap, fp8 = NORMAL_CASES[case]
     seed = _seed(seed)
     rng = np.random.default_rng(seed)
-    G, L = dp * R, E // R
+    G = dp * R
     cfg = jax_ep.EPConfig(E, H, K, Tm, axis_name="ep", recv_capacity=cap, backend="reference")
     C = R * Tm if cap is None else cap
     x, xs, idx, w, eo, wr = _normal_inputs(rng, G, T, E, K, H, C, variant, fp8)

@@ -14,7 +14,6 @@ import numpy as np
 import intranode_harness as h
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 

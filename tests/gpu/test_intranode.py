@@ -98,7 +98,7 @@ def test_matches_reference(case):
 def _scan_program(group, cfg, R, steps):
     """`steps` dispatch+combine rounds in one lax.scan, fresh messy routing each step, both backends compared in
     the graph; returns per-step mismatch counts (exact fields) and max |dy|."""
-    E, K, T, H = cfg.num_experts, cfg.num_topk, cfg.max_tokens_per_rank, cfg.hidden
+    E, K, T = cfg.num_experts, cfg.num_topk, cfg.max_tokens_per_rank
 
     def neq(a, b):
         a, b = jnp.asarray(a), jnp.asarray(b)

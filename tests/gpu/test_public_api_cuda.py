@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
 from intranode_harness import assert_grads_close, require as _require
