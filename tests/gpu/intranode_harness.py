@@ -66,6 +66,20 @@ def rel_error(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b))))
 
 
+def ll_round_trip_grads(cfg, mesh, x, idx, w, cot):
+    """(d x, d topk_weights) of sum(cot * low_latency_combine(scale * low_latency_dispatch(x))) in shard_map over
+    mesh axis "ep": bf16 dispatch, expert rows scaled per local expert (1, 1.5, 2, ...), weighted combine."""
+    def loss(x, w):
+        def body(x, idx, w, cot):
+            out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+            scale = (1.0 + 0.5 * jnp.arange(out.recv_x.shape[0], dtype=jnp.float32))[:, None, None]
+            expert_out = (out.recv_x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+            y = jax_ep.low_latency_combine(expert_out, idx, w, out.handle, cfg)
+            return jnp.sum(y.astype(jnp.float32) * cot)[None]
+        return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep"))(x, idx, w, cot))
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+
 def assert_grads_close(got, want, names, rtol=1e-2):
     """Each gradient of `got` is finite and within rtol (relative L2 norm) of the same one of `want`."""
     for a, b, name in zip(got, want, names):
