@@ -1,19 +1,24 @@
-// Low-latency dispatch and combine over NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg
-// of docs/INTERNODE.md. per_expert mode. Every row moves by put-with-signal into the slot the NVLink kernels
-// (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs, state/token protocol and outputs; what
-// differs is how data and completion travel:
-//   rows        from a local send slot of the symmetric buffer (a put's source must be symmetric or registered
-//               memory on remote transports) with nvshmemx_putmem_signal_nbi_warp; NVSHMEM itself picks P2P stores
-//               for a reachable peer and its remote transport for the others;
+// Low-latency dispatch and combine over NVSHMEM (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg of
+// docs/INTERNODE.md. per_expert mode. Every row moves in counted messages of at most 2 KB into the slot the NVLink
+// kernels (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs, state/token protocol and outputs;
+// what differs is how data and completion travel:
+//   rows        to a peer without a load/store mapping: from a local send slot of the symmetric buffer (a remote
+//               put's source must be symmetric or registered memory) with nvshmemx_putmem_signal_nbi_warp; to a
+//               peer with one (nvshmem_ptr non-null: NVLink, or this rank): stores through that pointer and a
+//               system-scope GPU atomic ("one mechanism per counted word" below says why not NVSHMEM's own);
 //   completion  counted signals (counted_signal.cuh): u64 words at the receiver, one per (local expert, source) for
 //               dispatch and per expert for combine, each message ADDs 1 after its bytes, the sender announces its
 //               count with one signal ADD; no flag SET (IBRC/UCX need GDRCopy for it) and no fence before counts;
 //   consumed    u64 counters per (parity, source) that every receiver ADDs 1 to once it has read op n, at every rank;
 //               a sender of op n waits until each peer's counter of n's parity reached consumed_target(n).
 // Launched through the LowLatencyRdmaOps table (jax_ep/rdma_ops.h) by the handlers of jax_ep._jax_ep_native.
-// NOTE (memory ordering): a receiver reads a signal word with a volatile load and then fences at system scope before
-// it reads the rows (the sender's put-with-signal made the bytes visible before the signal); a sender's message is
-// complete in its send slot (__syncthreads or __syncwarp, then __threadfence) before the put reads it.
+// NOTE (memory ordering): a receiver sees a word complete with volatile loads, runs NVSHMEM's wait once (the
+// transport's consistency step) and fences at system scope before it reads the rows; a sender's message is complete
+// in its send slot (__syncthreads or __syncwarp, then __threadfence) before the put reads it; a direct message's
+// stores are fenced at system scope before its count. Review 2026-11-23 (helper): the first version used NVSHMEM
+// signal ops for every count, which in a multi-node job (job connectivity above LDST) go through the proxy or NIC
+// even for NVLink peers and this rank, mixed with GPU atomics on one word (lost counts) and left a rank's own
+// consumed count in flight after its receive (a spurious "op n-2 not received" skip).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -58,25 +63,68 @@ __device__ __forceinline__ uint64_t wait_signal_relaxed(uint64_t* word, const Ct
 
 __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, const char* what, int index) {
   const uint64_t seen = wait_signal_relaxed(word, c, what, index);
+  // NVSHMEM's wait (returns at once: the word is complete) also runs the transport's consistency step, which on
+  // proxy transports without ordered delivery (PROXY_CST jobs) makes the NIC's data writes visible before the rows
+  // are read; a plain volatile load of the signal does not.
+  nvshmem_signal_wait_until(word, NVSHMEM_CMP_GE, seen);
   __threadfence_system();  // the rows the signal vouches for are read after it
   return seen;
+}
+
+// ---- one mechanism per counted word ------------------------------------------------------------------------------
+// NVSHMEM turns a signal ADD into a GPU atomic through the P2P pointer only when the whole JOB is load/store
+// connected (nvshmemi_device_state_d.job_connectivity <= NVSHMEMI_JOB_GPU_LDST); in a job with any remote PE every
+// signal op goes through the proxy or the NIC, for NVLink peers and this PE too. A NIC atomic is not atomic with a
+// GPU atomic on the same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer with a
+// load/store mapping (nvshmem_ptr non-null, "direct") gets stores through that pointer and system-scope GPU atomics
+// for every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only.
+// all_remote (the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1) treats every peer as remote: on one host it is the only
+// way to run the remote path.
+__device__ __forceinline__ bool is_direct(const Ctx& c, int d, int all_remote) {
+  return !all_remote && nvshmem_ptr(self_base(c.g), c.g.pe[d]) != nullptr;
+}
+
+__device__ __forceinline__ void add_to_word(uint64_t* word_sym, uint64_t value, int pe, bool direct) {
+  if (direct)
+    atomicAdd_system(static_cast<unsigned long long*>(nvshmem_ptr(word_sym, pe)), static_cast<unsigned long long>(value));
+  else
+    nvshmemx_signal_op(word_sym, value, NVSHMEM_SIGNAL_ADD, pe);
+}
+
+// One counted message from a warp: `bytes` (a multiple of 4) from `src` (global memory this kernel may have
+// written: plain loads) to `dst_sym` at `pe`, then +1 on `word_sym` there, after the bytes.
+__device__ __forceinline__ void send_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe,
+                                             bool direct) {
+  if (!direct) {
+    nvshmemx_putmem_signal_nbi_warp(dst_sym, src, bytes, word_sym, 1, NVSHMEM_SIGNAL_ADD, pe);
+    return;
+  }
+  copy_segment_from_shared(static_cast<char*>(nvshmem_ptr(dst_sym, pe)), src, bytes);
+  __syncwarp();
+  if (lane_id() == 0) {
+    __threadfence_system();  // the bytes land before their count
+    add_to_word(word_sym, 1, pe, true);
+  }
+  __syncwarp();
 }
 
 // Before op `epoch` writes into peer d's half: d has read the op two epochs back from it.
 __device__ __forceinline__ void wait_consumed_rdma(const Ctx& c, int d, uint32_t epoch) {
   uint64_t* word = consumed_words(c) + kMaxGroupRanks * (epoch & 1u) + d;
   const uint64_t want = consumed_target(epoch);
-  if (nvshmem_signal_fetch(word) >= want) return;
-  const uint64_t start = global_timer_ns();
-  while (nvshmem_signal_fetch(word) < want) {
-    if (global_timer_ns() - start > c.g.timeout_ns) {
-      printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the op "
-             "two epochs back (consumed %llu, want %llu). Trapping.\n",
-             static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
-             static_cast<unsigned long long>(nvshmem_signal_fetch(word)), static_cast<unsigned long long>(want));
-      __trap();
+  if (nvshmem_signal_fetch(word) < want) {
+    const uint64_t start = global_timer_ns();
+    while (nvshmem_signal_fetch(word) < want) {
+      if (global_timer_ns() - start > c.g.timeout_ns) {
+        printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the "
+               "op two epochs back (consumed %llu, want %llu). Trapping.\n",
+               static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
+               static_cast<unsigned long long>(nvshmem_signal_fetch(word)), static_cast<unsigned long long>(want));
+        __trap();
+      }
     }
   }
+  __threadfence_system();  // acquire: d's reset of its half comes before anything this rank writes there next
 }
 
 // A dispatch message (header + payload) travels as this many counted messages of at most kSegBytes each.
@@ -102,11 +150,12 @@ struct RdmaWait {
 // The frame of both receive kernels: open, body, and at the end, in the last block to finish (all its threads):
 // every counted signal of the half is complete (each sender announces to every rank, so no late announce can land
 // after the reset), the words go back to 0 for op n+2, then thread 0 adds 1 to this rank's consumed counter of
-// this parity at every rank and ends the receive (end_recv: in_flight_device, state).
+// this parity at every rank (its own too: a local atomic, done when the kernel is) and ends the receive (end_recv:
+// in_flight_device, state).
 // NOTE: the E words are spread over the block's threads: one thread polling E words serially (a volatile load and
 // a system fence each) cost ~280 us per op at E=288.
 template <typename Params, typename Body>
-__device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
+__device__ __forceinline__ void rdma_receive_frame(const Params& p, int all_remote, Body body) {
   const Ctx& c = p.c;
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
@@ -124,7 +173,7 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
     if (threadIdx.x == 0) {
       __threadfence_system();  // every reset is visible before any sender can see the count below
       uint64_t* mine = consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank;
-      for (int d = 0; d < c.g.num_ranks; ++d) nvshmemx_signal_op(mine, 1, NVSHMEM_SIGNAL_ADD, c.g.pe[d]);
+      for (int d = 0; d < c.g.num_ranks; ++d) add_to_word(mine, 1, c.g.pe[d], is_direct(c, d, all_remote));
     }
   }
   if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
@@ -133,7 +182,7 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
 // ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
 // its distinct experts' owners in 2 KB parts (one counted message each, spread over the block's warps). Counts per
 // expert in this rank's scratch; the last block announces them all (rows x parts). -----------------------------
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, int all_remote) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
@@ -146,7 +195,11 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ int32_t s_pos[kMaxTopk];
   __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
-  if (threadIdx.x < R) wait_consumed_rdma(c, threadIdx.x, epoch);  // token_slots' __syncthreads orders the rest
+  __shared__ int32_t s_direct[kMaxGroupRanks];
+  if (threadIdx.x < R) {  // token_slots' __syncthreads orders these before their use
+    s_direct[threadIdx.x] = is_direct(c, threadIdx.x, all_remote);
+    wait_consumed_rdma(c, threadIdx.x, epoch);
+  }
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
   const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
@@ -176,14 +229,14 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
       if (dest < 0) continue;
       const int l = dest % L, d = dest / L;
       char* dst = self + half + c.ll.rows + (static_cast<int64_t>(l * R + me) * Tm + s_pos[k]) * c.ll.msg_stride;
-      nvshmemx_putmem_signal_nbi_warp(dst + off, slot + off, min(kSegBytes, msg_bytes - off), signals + l * R + me,
-                                      1, NVSHMEM_SIGNAL_ADD, g.pe[d]);
+      send_counted(dst + off, slot + off, min(kSegBytes, msg_bytes - off), signals + l * R + me, g.pe[d],
+                   s_direct[d]);
     }
     __syncthreads();  // s_dest / s_pos are reused by the next token
   }
 }
 
-__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p) {
+__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p, int all_remote) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
@@ -192,7 +245,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
               p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
               consumed_words(c));
   __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, all_remote);  // block-uniform
   if (!last_block_all(ll_word(c.g, SignalHeader::kLlSendDone), &s_last)) return;
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.ll.scratch);
@@ -201,8 +254,9 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
     const uint32_t parts = static_cast<uint32_t>(dispatch_message_parts(p.use_fp8, c.hidden));
     for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
       const uint32_t n = atomicExch(counts + dest, 0u);
-      nvshmemx_signal_op(signals + (dest % L) * R + c.g.rank, announce_value(n * parts), NVSHMEM_SIGNAL_ADD,
-                         c.g.pe[dest / L]);
+      const int d = dest / L;
+      add_to_word(signals + (dest % L) * R + c.g.rank, announce_value(n * parts), c.g.pe[d],
+                  is_direct(c, d, all_remote));
     }
   }
   __syncthreads();
@@ -216,10 +270,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
 // through that pointer with jax_ep's copy and counted with a system-scope atomic, which is what a P2P
 // put-with-signal does (the issue's "NVLink peers keep the direct-pointer path"); to the others it is staged in the
 // send slots (a remote transport's source must be symmetric or registered memory) and put with signal. ---------
-// kStageAll: stage every row, as for a peer off the NVLink domain (the test hook JAX_EP_TEST_STAGE_ALL_PUTS=1: on
-// one host every peer is reachable, so only this exercises the staged path).
-template <bool kStageAll>
-__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch, int all_remote) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
@@ -236,7 +287,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
   }
   if (tid < R) {
-    s_direct[tid] = !kStageAll && nvshmem_ptr(self, g.pe[tid]) != nullptr;
+    s_direct[tid] = is_direct(c, tid, all_remote);
     wait_consumed_rdma(c, tid, epoch);
   }
   __syncthreads();
@@ -248,7 +299,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
       const int32_t t = __ldg(src + i);
       n += (t >= 0 && t < Tm) ? 1u : 0u;
     }
-    nvshmemx_signal_op(signal, announce_value(n * nseg), NVSHMEM_SIGNAL_ADD, g.pe[tid]);
+    add_to_word(signal, announce_value(n * nseg), g.pe[tid], s_direct[tid]);
   }
   const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
   char* stage = self + half + c.ll.send + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
@@ -259,13 +310,14 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     const int s = source_of_row(s_off, R, i);
     const char* from = rows + static_cast<int64_t>(i) * row_bytes + off;
     char* dst = self + half + c.ll.rows + (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes + off;
-    if (s_direct[s]) {  // NVLink peer: what a P2P put-with-signal does, with jax_ep's copy
+    if (s_direct[s]) {  // a peer with a load/store mapping: stores (read-only source: ld.nc) and a GPU atomic
       copy_segment_nc(static_cast<char*>(nvshmem_ptr(dst, g.pe[s])), from, bytes);
       __syncwarp();
       if (lane_id() == 0) {
         __threadfence_system();  // the segment lands before its count
-        atomicAdd_system(static_cast<unsigned long long*>(nvshmem_ptr(signal, g.pe[s])), 1ull);
+        add_to_word(signal, 1, g.pe[s], true);
       }
+      __syncwarp();
       continue;
     }
     char* staged = stage + static_cast<int64_t>(i) * row_bytes + off;
@@ -276,25 +328,25 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-template <bool kStageAll>
-__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p, int all_remote) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
               &s_gate, consumed_words(p.c));
   __syncthreads();
-  if (s_gate.work) combine_send_body<kStageAll>(p, s_gate.epoch);  // block-uniform
+  if (s_gate.work) combine_send_body(p, s_gate.epoch, all_remote);  // block-uniform
   finish_send(p.c.g, p.io, s_gate);
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p, int all_remote) {
   const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden)};
-  rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
+  rdma_receive_frame(p, all_remote, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
 }
 
-__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p) {
-  rdma_receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
+__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p,
+                                                                                  int all_remote) {
+  rdma_receive_frame(p, all_remote, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
 }
 
 // ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
@@ -306,6 +358,15 @@ const char* launch_error(const char* what) {
   return message.c_str();
 }
 
+// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once.
+int all_peers_remote() {
+  static const int value = [] {
+    const char* v = std::getenv("JAX_EP_TEST_ALL_PEERS_REMOTE");
+    return v != nullptr && std::string(v) == "1" ? 1 : 0;
+  }();
+  return value;
+}
+
 const char* refuse_per_rank(bool per_rank) {
   return per_rank ? "low_latency_mode='per_rank' has no NVSHMEM kernels yet (EPConfig.allow_nvlink_for_low_latency="
                     "False needs low_latency_mode='per_expert')"
@@ -314,32 +375,25 @@ const char* refuse_per_rank(bool per_rank) {
 
 const char* dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(p);
+  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(p, all_peers_remote());
   return launch_error("low-latency dispatch send (NVSHMEM)");
 }
 
 const char* dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p, all_peers_remote());
   return launch_error("low-latency dispatch receive (NVSHMEM)");
 }
 
 const char* combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  static const bool stage_all = [] {
-    const char* v = std::getenv("JAX_EP_TEST_STAGE_ALL_PUTS");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  if (stage_all)
-    rdma_combine_send_kernel<true><<<expert_grid(p.c), kThreads, 0, stream>>>(p);
-  else
-    rdma_combine_send_kernel<false><<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  rdma_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p, all_peers_remote());
   return launch_error("low-latency combine send (NVSHMEM)");
 }
 
 const char* combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
+  rdma_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p, all_peers_remote());
   return launch_error("low-latency combine receive (NVSHMEM)");
 }
 

@@ -5,7 +5,7 @@ three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks
     compute-sanitizer --tool memcheck --kernel-name kns=ll_ python3 tests/gpu/sanitize_ll_small.py [per_rank]
 
 Mode "nvshmem": per_expert with allow_nvlink_for_low_latency=False (the NVSHMEM kernels, names rdma_*), run in one
-process per GPU:
+process per GPU (JAX_EP_TEST_ALL_PEERS_REMOTE=1 for the remote path):
     JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool memcheck --kernel-name kns=rdma_ \
         python3 -m jax_ep.launch -n 1 tests/gpu/sanitize_ll_small.py nvshmem
 """

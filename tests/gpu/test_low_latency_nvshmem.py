@@ -44,15 +44,16 @@ def _env(**extra):
     return env
 
 
-@pytest.mark.parametrize("stage_all", ["0", "1"])
-def test_low_latency_suite_over_nvshmem_puts(stage_all):
-    """stage_all=1 (JAX_EP_TEST_STAGE_ALL_PUTS): the combine stages every row in the send slots, as for a peer that
-    NVSHMEM reaches only through a remote transport (no such peer on one host)."""
+@pytest.mark.parametrize("all_remote", ["0", "1"])
+def test_low_latency_suite_over_nvshmem_puts(all_remote):
+    """all_remote=1 (JAX_EP_TEST_ALL_PEERS_REMOTE): every peer is treated as one NVSHMEM reaches only through a
+    remote transport (staged puts with signal, NVSHMEM signal ops), the path no peer on one host takes otherwise;
+    0: peers with a load/store mapping get stores and GPU atomics."""
     _require_device_library()
     cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "1", "--timeout", "540", "-m", "pytest", "-q", "-rs",
            "-p", "no:cacheprovider", os.path.join("tests", "gpu", "test_low_latency.py")]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(JAX_EP_TRANSPORT="nvshmem", JAX_EP_TEST_LL_OVER_NVSHMEM="1",
-                                               JAX_EP_TEST_STAGE_ALL_PUTS=stage_all),
+                                               JAX_EP_TEST_ALL_PEERS_REMOTE=all_remote),
                        capture_output=True, text=True, timeout=600)
     tail = p.stdout[-5000:] + "\n--- stderr ---\n" + p.stderr[-5000:]
     print(tail)
