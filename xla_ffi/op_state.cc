@@ -91,7 +91,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   if (R < 1 || c.num_experts % R != 0)
     return ffi_util::Invalid(target_, "num_experts (" + std::to_string(c.num_experts) +
                                           ") must be a multiple of the group size (" + std::to_string(R) + ")");
-  out->generation = rg.generation;
+  out->generation = rg.destroyed;
   out->view = rg.view;
   out->binding = rg.binding;
   out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
@@ -131,7 +131,7 @@ ffi::Error OpState::resolve(int32_t ordinal, const Resolved** out) {
   if (ordinal < 0 || ordinal >= kMaxDevices)
     return ffi_util::Invalid(target_, "device ordinal " + std::to_string(ordinal) + " out of range [0, " +
                                           std::to_string(kMaxDevices) + ")");
-  const uint64_t gen = binding_generation();
+  const uint64_t gen = groups_destroyed();
   std::atomic<const Resolved*>& slot = cache_[ordinal];
   if (const Resolved* hit = slot.load(std::memory_order_acquire); hit != nullptr && hit->generation == gen) {
     *out = hit;

@@ -3,9 +3,15 @@
 //   instantiate  (once per call site per executable, at compile / deserialize time, no device): decodes the struct
 //                attributes, validates what does not depend on the group, and keeps the config + the axis name.
 //   execute      (every call, one host thread per device): resolve() turns (axis, DeviceOrdinal) into the group view
-//                and the low-latency context, cached per device ordinal and keyed by the process-wide binding
-//                generation: a hit is two atomic loads and a compare (no lock, no map walk); a miss re-resolves
-//                under the registry's shared lock (after initialize / finalize / a rebind, or the first call).
+//                and the low-latency context, cached per device ordinal and keyed by the process-wide count of
+//                destroyed groups (groups_destroyed()): a hit is two atomic loads and a compare (no lock, no map
+//                walk); a miss re-resolves under the registry's shared lock (the first call, or after a finalize).
+// INVARIANT (pinning): a call site keeps the group it first resolved for as long as no group has been destroyed.
+// A later initialize with more configs binds the axis to new groups and retires the old ones (alive until
+// finalize); a program that ran before keeps the old buffers on EVERY device, whether XLA replays it from a
+// CUDA graph (handlers not called: the graph holds the old pointers) or calls the handlers (they must agree with
+// the graph-replaying devices and processes, or the ranks wait on different buffers: a deadlock seen at R=2 on
+// 2026-11-23 when only the cache key moved). Programs first run after the initialize use the new groups.
 // NOTE: one state is shared by all devices that run the executable (single process, N GPUs): each device reads and
 // writes only its own cache slot. Published resolutions are immutable and live as long as the state, so a thread
 // that loaded a pointer can keep using it while another call of the same device republishes.

@@ -45,6 +45,9 @@ int64_t next_id = 1;
 // valid while the generation it was made under is current; the counter starts at 1 so 0 means "nothing cached".
 std::atomic<uint64_t> generation{1};
 void bump_generation() { generation.fetch_add(1, std::memory_order_acq_rel); }
+// NOTE: bumped (under the exclusive lock) by destroy_group only, before its buffers are freed: the key of the
+// handlers' pinned resolutions (op_state.h).
+std::atomic<uint64_t> destroyed{1};
 
 // Restores the calling thread's current device on scope exit (group setup switches devices).
 class DeviceRestorer {
@@ -193,7 +196,8 @@ Status destroy_group(int64_t id) {
     if (it == registry().end()) return Status::Error("no group with id " + std::to_string(id));
     g = std::move(it->second);
     registry().erase(it);
-    bump_generation();  // no handler may use a cached view of this group any more
+    bump_generation();
+    destroyed.fetch_add(1, std::memory_order_acq_rel);  // no handler may use a cached view of this group any more
   }
   if (!g->info.owns_buffers) return Status::Ok();
   DeviceRestorer restore;
@@ -319,6 +323,7 @@ std::map<std::string, AxisBinding> bound_axes() {
 }
 
 uint64_t binding_generation() { return generation.load(std::memory_order_acquire); }
+uint64_t groups_destroyed() { return destroyed.load(std::memory_order_acquire); }
 
 Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* out) {
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
@@ -342,6 +347,7 @@ Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* 
       out->view = v;
       out->binding = b->second;
       out->generation = gen;
+      out->destroyed = destroyed.load(std::memory_order_acquire);
       return Status::Ok();
     }
   }

@@ -4,7 +4,7 @@
 //
 // Everything expensive happens in create_group (allocation, peer access, zeroing, one warm-up barrier). Handlers
 // resolve (mesh axis, device ordinal) -> group view through resolve_axis (a shared lock on two small maps, no CUDA
-// call) and cache the result per device, keyed by binding_generation() (an atomic load, no lock).
+// call) and cache the result per device, keyed by groups_destroyed() (an atomic load, no lock).
 // Implemented in cuda/transport/peer_group.cc.
 #pragma once
 
@@ -63,8 +63,9 @@ Status group_info(int64_t id, GroupInfo* out);
 
 // ---- axis bindings ----------------------------------------------------------------------------------------------
 // A handler's `axis` attribute names a mesh axis; the binding of that axis says which group set serves it and where
-// the low-latency region lies in those groups' staging. Rebinding replaces. Every change of bindings or groups
-// bumps the process-wide generation (never reused), which invalidates every handler's per-device cache.
+// the low-latency region lies in those groups' staging. Rebinding replaces (for call sites not yet resolved: those
+// that ran keep their group until a group is destroyed; xla_ffi/op_state.h, "pinning"). Every change of bindings or
+// groups bumps the process-wide generation (never reused).
 // NOTE: no CUDA call here: binding works (and is testable) on machines without a GPU.
 struct AxisBinding {
   int64_t set_id = -1;
@@ -76,12 +77,16 @@ Status bind_axis(const std::string& axis, const AxisBinding& binding);
 void unbind_axis(const std::string& axis);  // no error if unbound
 std::map<std::string, AxisBinding> bound_axes();
 uint64_t binding_generation();              // acquire load; never 0
+// Groups destroyed so far (+1; acquire load; never 0). Handlers pin a resolution while it is unchanged (a retired
+// group stays alive, so its buffers stay valid; xla_ffi/op_state.h, "pinning").
+uint64_t groups_destroyed();
 
 // What resolve_axis found for (axis, device ordinal), and the generation it was valid for.
 struct ResolvedGroup {
   GroupDeviceView view;
   AxisBinding binding;
   uint64_t generation = 0;
+  uint64_t destroyed = 0;  // groups_destroyed() under the same lock
 };
 
 // Handler path (a shared lock, no CUDA call): the group of the set bound to `axis` that holds `device_ordinal`.
