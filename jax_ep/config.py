@@ -67,17 +67,20 @@ class EPConfig:
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
         only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
-        uniform routing (low_latency_mode_for; always per_expert with allow_nvlink_for_low_latency=False).
+        uniform routing (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below).
         Default "per_expert" (DeepEP's layout, validated across GPUs);
         per_rank's CUDA kernels have run on one GPU only so far (docs/BENCHMARKS.md).
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
-      allow_nvlink_for_low_latency: like DeepEP's allow_nvlink_for_low_latency_mode. True (default): low-latency
-        rows move by stores through NVLink peer pointers. False: by NVSHMEM put-with-signal from kernels of
-        jax_ep._jax_ep_nvshmem (the RDMA leg of docs/INTERNODE.md; NVSHMEM itself uses P2P for reachable peers),
-        which needs one process per GPU (python -m jax_ep.launch, or JAX_EP_TRANSPORT=nvshmem with one process)
-        and low_latency_mode "per_expert" ("auto" resolves to it). Every config of one mesh axis must agree. The
+      allow_nvlink_for_low_latency: like DeepEP's allow_nvlink_for_low_latency_mode. A group of R ranks with
+        R <= num_max_nvl_peers and this True (default) runs the NVLink kernels: rows move by stores through peer
+        pointers. A group that spans NVLink domains (R > num_max_nvl_peers: several hosts, or simulated nodes on
+        one) or this False runs the NVSHMEM kernels of jax_ep._jax_ep_nvshmem (the RDMA leg of
+        docs/INTERNODE.md): rows to ranks of the same NVLink domain (r // num_max_nvl_peers) move by stores through
+        NVSHMEM's peer pointer when this is True, all others by NVSHMEM put-with-signal. Those kernels need one
+        process per GPU (python -m jax_ep.launch, or JAX_EP_TRANSPORT=nvshmem with one process) and
+        low_latency_mode "per_expert" ("auto" resolves to it). Every config of one mesh axis must agree. The
         reference backend gives the same results either way.
     """
 
@@ -177,11 +180,23 @@ class EPConfig:
         """
         if self.low_latency_mode != "auto":
             return self.low_latency_mode
-        if not self.allow_nvlink_for_low_latency:
+        if self.low_latency_over_nvshmem(num_ranks):
             return "per_expert"  # the NVSHMEM kernels' one mode
         k = self.num_topk
         per_rank_rows = num_ranks * (1.0 - (1.0 - 1.0 / num_ranks) ** k)
         return "per_rank" if per_rank_rows <= PER_RANK_MAX_ROW_FRACTION * k else "per_expert"
+
+    def low_latency_over_nvshmem(self, num_ranks: int) -> bool:
+        """Whether low-latency ops of a group of `num_ranks` run the NVSHMEM kernels (docs/INTERNODE.md): when
+        allow_nvlink_for_low_latency=False, or when the group spans more than one NVLink domain
+        (num_ranks > num_max_nvl_peers). Otherwise the NVLink kernels (stores through peer pointers) run."""
+        return not self.allow_nvlink_for_low_latency or num_ranks > self.num_max_nvl_peers
+
+    def low_latency_nvl_domain(self) -> int:
+        """Ranks per NVLink domain as the NVSHMEM low-latency kernels use it: ranks r and q with r // d == q // d
+        move rows by stores through NVSHMEM's peer pointer (DeepEP's NVLink peers of the low-latency mode), the others
+        by NVSHMEM puts and signal ops. 1 (only the rank itself) when allow_nvlink_for_low_latency=False."""
+        return self.num_max_nvl_peers if self.allow_nvlink_for_low_latency else 1
 
     def low_latency_rows(self, num_ranks: int) -> int:
         """Rows per local expert in low-latency mode (R * T_max)."""

@@ -504,19 +504,43 @@ def test_nvshmem_low_latency_is_per_expert_only():
     assert jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto").low_latency_mode_for(8) == "per_rank"
 
 
-def test_nvshmem_low_latency_needs_one_process_per_gpu_and_one_value_per_axis():
+def test_nvshmem_low_latency_needs_one_process_per_gpu_and_one_choice_per_axis():
     from jax_ep.runtime import lifecycle
 
+    R8 = {"ep": 8}
     nvshmem = cfg(allow_nvlink_for_low_latency=False, low_latency_buffers=True)
     nvlink = cfg(low_latency_buffers=True)
-    lifecycle._check_low_latency_transport([nvshmem], one_process_per_gpu=True)
-    lifecycle._check_low_latency_transport([nvlink, cfg(num_sms=8, low_latency_buffers=True)], False)
-    with raises(jax_ep.EPError, "allow_nvlink_for_low_latency=False", "one process per GPU", "jax_ep.launch"):
-        lifecycle._check_low_latency_transport([nvshmem], one_process_per_gpu=False)
-    with raises(jax_ep.EPError, "disagree", "allow_nvlink_for_low_latency"):
-        lifecycle._check_low_latency_transport([nvshmem, nvlink], one_process_per_gpu=True)
+    lifecycle._check_low_latency_transport([nvshmem], R8, one_process_per_gpu=True)
+    lifecycle._check_low_latency_transport([nvlink, cfg(num_sms=8, low_latency_buffers=True)], R8, False)
+    with raises(jax_ep.EPError, "allow_nvlink_for_low_latency=False", "one process per GPU", "jax_ep.launch", "'ep'"):
+        lifecycle._check_low_latency_transport([nvshmem], R8, one_process_per_gpu=False)
+    with raises(jax_ep.EPError, "disagree", "allow_nvlink_for_low_latency", "num_max_nvl_peers"):
+        lifecycle._check_low_latency_transport([nvshmem, nvlink], R8, one_process_per_gpu=True)
     # configs without low-latency buffers never run an LL op on the CUDA backend: no constraint
-    lifecycle._check_low_latency_transport([nvshmem, cfg(low_latency_buffers=False)], one_process_per_gpu=True)
+    lifecycle._check_low_latency_transport([nvshmem, cfg(low_latency_buffers=False)], R8, one_process_per_gpu=True)
+
+
+def test_group_wider_than_nvl_domain_takes_the_nvshmem_low_latency_kernels():
+    """R > num_max_nvl_peers: the NVSHMEM kernels, with the same requirements as allow_nvlink_for_low_latency=False
+    (one process per GPU, per_expert, one choice per axis), stores inside a domain of num_max_nvl_peers ranks."""
+    from jax_ep.runtime import lifecycle
+
+    two_nodes = cfg(num_max_nvl_peers=4, low_latency_buffers=True)
+    assert two_nodes.low_latency_over_nvshmem(8) and not two_nodes.low_latency_over_nvshmem(4)
+    assert two_nodes.low_latency_nvl_domain() == 4
+    assert cfg(num_max_nvl_peers=4, allow_nvlink_for_low_latency=False).low_latency_nvl_domain() == 1
+    lifecycle._check_low_latency_transport([two_nodes], {"ep": 4}, one_process_per_gpu=False)  # fits one domain
+    lifecycle._check_low_latency_transport([two_nodes], {"ep": 8}, one_process_per_gpu=True)
+    with raises(jax_ep.EPError, "R > num_max_nvl_peers", "one process per GPU", "R=8"):
+        lifecycle._check_low_latency_transport([two_nodes], {"ep": 8}, one_process_per_gpu=False)
+    with raises(jax_ep.EPError, "disagree", "num_max_nvl_peers"):  # both NVSHMEM, other NVLink domains
+        lifecycle._check_low_latency_transport([two_nodes, cfg(num_max_nvl_peers=2, low_latency_buffers=True)],
+                                               {"ep": 8}, one_process_per_gpu=True)
+    with raises(jax_ep.EPError, "per_rank", "no NVSHMEM kernels", "num_max_nvl_peers (4)"):
+        lifecycle._check_low_latency_transport([cfg(num_max_nvl_peers=4, low_latency_mode="per_rank",
+                                                    low_latency_buffers=True)], {"ep": 8}, one_process_per_gpu=True)
+    auto = jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto", num_max_nvl_peers=4)
+    assert auto.low_latency_mode_for(8) == "per_expert" and auto.low_latency_mode_for(4) == "per_rank"
 
 
 def test_reference_backend_ignores_allow_nvlink_for_low_latency():

@@ -292,9 +292,9 @@ def test_lowered_cuda_ll_calls_form_one_chain(cuda_lowering):
         return y + y2, st.value
 
     calls = _ll_calls(_lower(body, x, idx, w))
-    assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v4", "jax_ep_ll_dispatch_send_v4",
-                                     "jax_ep_ll_dispatch_recv_v4", "jax_ep_ll_combine_send_v4",
-                                     "jax_ep_ll_combine_recv_v4", "jax_ep_ll_combine_v4"]
+    assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v5", "jax_ep_ll_dispatch_send_v5",
+                                     "jax_ep_ll_dispatch_recv_v5", "jax_ep_ll_combine_send_v5",
+                                     "jax_ep_ll_combine_recv_v5", "jax_ep_ll_combine_v5"]
     for i, (name, target, operands, attrs) in enumerate(calls):
         split = "_send_" in target or "_recv_" in target
         assert ("has_side_effect = true" in attrs) == split, (target, attrs)
@@ -302,7 +302,7 @@ def test_lowered_cuda_ll_calls_form_one_chain(cuda_lowering):
         assert re.search(r'axis = "ep"', attrs) and "group_id" not in attrs and "ll_offset" not in attrs, attrs
         if i:
             prev_name, prev_target = calls[i - 1][0], calls[i - 1][1]
-            n_results = {"jax_ep_ll_dispatch_v4": 8, "jax_ep_ll_dispatch_recv_v4": 8}.get(prev_target, 2)
+            n_results = {"jax_ep_ll_dispatch_v5": 8, "jax_ep_ll_dispatch_recv_v5": 8}.get(prev_target, 2)
             assert operands[-1] == f"{prev_name}#{n_results - 1}", (target, operands, prev_name)
 
 
@@ -322,7 +322,7 @@ def test_lowered_cuda_scan_carries_the_state(cuda_lowering):
 
     text = _lower(body, x, idx, w)
     calls = _ll_calls(text)
-    assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v4", "jax_ep_ll_combine_v4"]  # one body, looped
+    assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v5", "jax_ep_ll_combine_v5"]  # one body, looped
     dispatch, combine = calls
     assert combine[2][-1] == f"{dispatch[0]}#7"  # the state: the last of 8 results
     assert "stablehlo.while" in text
@@ -350,7 +350,7 @@ def test_fused_ll_program_keeps_the_cpp_dispatch_fast_path(cuda_lowering):
     f = jax.jit(jax.shard_map(body, mesh=ep_mesh(R), in_specs=(SPEC,) * 3, out_specs=SPEC))
     traced = f.trace(x, idx, w)
     assert not traced.jaxpr.effects, traced.jaxpr.effects
-    assert "jax_ep_ll_dispatch_v4" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_ep_ll_dispatch_v5" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_lowered_cuda_per_rank_mode_passes_the_message_tables(cuda_lowering):
@@ -366,12 +366,38 @@ def test_lowered_cuda_per_rank_mode_passes_the_message_tables(cuda_lowering):
 
         text = _lower(body, x, idx, w)
         calls = _ll_calls(text)
-        assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v4", "jax_ep_ll_combine_v4"], calls
+        assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v5", "jax_ep_ll_combine_v5"], calls
         (d_name, _, _, d_attrs), (_, _, c_ops, c_attrs) = calls
         for attrs in (d_attrs, c_attrs):
             assert f"per_rank = {int(mode == 'per_rank')} : i32" in attrs, attrs
         if mode == "per_rank":  # per_expert passes empty constants instead
             assert c_ops[3:5] == [f"{d_name}#5", f"{d_name}#6"], (mode, c_ops)
-        result_types = re.search(r"stablehlo\.custom_call @jax_ep_ll_dispatch_v4.*-> \((.*)\)$", text, re.M).group(1)
+        result_types = re.search(r"stablehlo\.custom_call @jax_ep_ll_dispatch_v5.*-> \((.*)\)$", text, re.M).group(1)
         assert f"tensor<{R}x{rows}xi32>" in result_types and f"tensor<{R}x{rows}x{K}xi32>" in result_types, \
             result_types
+
+
+@pytest.mark.parametrize("nvl,allow_nvlink,want_rdma,want_domain", [
+    (8, True, 0, 8),    # R=4 fits one NVLink domain: the NVLink kernels
+    (4, True, 0, 4),    # R = num_max_nvl_peers: still one domain
+    (2, True, 1, 2),    # two nodes of two: NVSHMEM kernels, stores inside a node, puts between the nodes
+    (1, True, 1, 1),    # four nodes of one
+    (8, False, 1, 1),   # allow_nvlink_for_low_latency=False: NVSHMEM kernels, puts to every other rank
+])
+def test_lowered_ll_calls_choose_the_kernels_from_nvl_domains(cuda_lowering, nvl, allow_nvlink, want_rdma,
+                                                              want_domain):
+    """EPConfig.low_latency_over_nvshmem: a group wider than num_max_nvl_peers (or allow_nvlink_for_low_latency=False)
+    lowers to the NVSHMEM kernels (rdma = 1) with the NVLink domain size they reach by stores (nvl_domain); every LL
+    target of the program carries the same choice."""
+    cfg = jax_ep.EPConfig(E, H, K, T, num_max_nvl_peers=nvl, allow_nvlink_for_low_latency=allow_nvlink)
+    x, idx, w = _inputs(3)
+
+    def body(x, idx, w):
+        out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+        return jax_ep.low_latency_combine(out.recv_x, idx, w, out.handle, cfg)
+
+    calls = _ll_calls(_lower(body, x, idx, w))
+    assert [c[1] for c in calls] == ["jax_ep_ll_dispatch_v5", "jax_ep_ll_combine_v5"]
+    for _, target, _, attrs in calls:
+        assert re.search(rf"\brdma = {want_rdma} : i32", attrs), (target, attrs)
+        assert re.search(rf"\bnvl_domain = {want_domain} : i32", attrs), (target, attrs)

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
 LAYOUT = "jax_ep_layout_v1"
 STATEFUL_TARGETS = {
     "jax_ep_dispatch_v2", "jax_ep_cached_dispatch_v2", "jax_ep_combine_v2",
-    "jax_ep_ll_dispatch_v4", "jax_ep_ll_dispatch_send_v4", "jax_ep_ll_dispatch_recv_v4",
-    "jax_ep_ll_combine_v4", "jax_ep_ll_combine_send_v4", "jax_ep_ll_combine_recv_v4",
+    "jax_ep_ll_dispatch_v5", "jax_ep_ll_dispatch_send_v5", "jax_ep_ll_dispatch_recv_v5",
+    "jax_ep_ll_combine_v5", "jax_ep_ll_combine_send_v5", "jax_ep_ll_combine_recv_v5",
 }
 
 

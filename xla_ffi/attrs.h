@@ -23,7 +23,7 @@ struct NormalAttrs {
   int64_t timeout_ns;           // device waits trap after this long
 };
 
-// Every jax_ep_ll_*_v4 target.
+// Every jax_ep_ll_*_v5 target.
 struct LowLatencyAttrs {
   std::string_view axis;        // str: the EP mesh axis (bind_axis)
   int32_t num_experts;          // E
@@ -33,7 +33,8 @@ struct LowLatencyAttrs {
   int64_t timeout_ns;           // device waits trap after this long
   int32_t use_fp8;              // dispatch: fp8 (1) or bf16 (0) payload; combine targets: ignored (Python passes 0)
   int32_t per_rank;             // 1: per_rank mode (one message per token and destination rank), 0: per_expert
-  int32_t rdma;                 // 1: rows move by NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False)
+  int32_t rdma;                 // 1: the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem(R))
+  int32_t nvl_domain;           // ranks per NVLink domain for those kernels (EPConfig.low_latency_nvl_domain())
 };
 
 }  // namespace jax_ep
@@ -49,4 +50,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::LowLatencyAttrs, StructMember<std:
                                       StructMember<int32_t>("num_topk"),
                                       StructMember<int32_t>("max_tokens_per_rank"),
                                       StructMember<int64_t>("timeout_ns"), StructMember<int32_t>("use_fp8"),
-                                      StructMember<int32_t>("per_rank"), StructMember<int32_t>("rdma"));
+                                      StructMember<int32_t>("per_rank"), StructMember<int32_t>("rdma"),
+                                      StructMember<int32_t>("nvl_domain"));

@@ -2,19 +2,19 @@
 // Every target takes the chain state [4] s32 as its LAST operand and returns the next state as its LAST result
 // (Python aliases the two); the kernels read and write it on the device (protocol: cuda/include/jax_ep/ll_params.h).
 //
-//   jax_ep_ll_dispatch_v4        x [T, H] bf16, topk_idx [T, K] s32, state
+//   jax_ep_ll_dispatch_v5        x [T, H] bf16, topk_idx [T, K] s32, state
 //                                  -> recv_x [L, R*T_max, H] (f8e4m3fn | bf16), recv_x_scales [L, R*T_max, S] f32
 //                                     (S = H/128 with use_fp8, else 0), recv_count [L], src_info [L, R*T_max],
 //                                     layout_range [L, R], msg_token [R, M], token_rows [R, M, K] (s32; M = T_max
 //                                     in per_rank mode, else 0), state
-//   jax_ep_ll_dispatch_send_v4   x, topk_idx, state -> token [4] s32, state
-//   jax_ep_ll_dispatch_recv_v4   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range,
+//   jax_ep_ll_dispatch_send_v5   x, topk_idx, state -> token [4] s32, state
+//   jax_ep_ll_dispatch_recv_v5   token, state -> recv_x, recv_x_scales, recv_count, src_info, layout_range,
 //                                msg_token, token_rows, state
-//   jax_ep_ll_combine_v4         expert_out [L, R*T_max, H] bf16, src_info, layout_range, msg_token, token_rows,
+//   jax_ep_ll_combine_v5         expert_out [L, R*T_max, H] bf16, src_info, layout_range, msg_token, token_rows,
 //                                topk_idx [T, K] s32, topk_weights [T, K] f32, state -> y [T, H] bf16, state
-//   jax_ep_ll_combine_send_v4    expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state
+//   jax_ep_ll_combine_send_v5    expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state
 //                                -> token, state
-//   jax_ep_ll_combine_recv_v4    token, topk_idx, topk_weights, state -> y, state
+//   jax_ep_ll_combine_recv_v5    token, topk_idx, topk_weights, state -> y, state
 // msg_token / token_rows (the handle's per_rank tables) are read only in per_rank mode (LowLatencyAttrs.per_rank);
 // in per_expert mode they are empty.
 // The fused targets launch the send kernel and the receive kernel back to back (one handler); the split targets one
@@ -223,9 +223,9 @@ ffi::Error FillCombineRecv(const char* target, const OpState& st, const ll::Ctx&
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------------------------
-constexpr const char* kDispatch = "jax_ep_ll_dispatch_v4";
-constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v4";
-constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v4";
+constexpr const char* kDispatch = "jax_ep_ll_dispatch_v5";
+constexpr const char* kDispatchSend = "jax_ep_ll_dispatch_send_v5";
+constexpr const char* kDispatchRecv = "jax_ep_ll_dispatch_recv_v5";
 
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, S32Mat topk_idx, S32Vec state,
                     ffi::Result<AnyBuf> recv_x, ffi::Result<F32Cube> recv_x_scales, ffi::Result<S32Vec> recv_count,
@@ -282,9 +282,9 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t ordinal, OpState* st, S32Ve
 }
 
 // ---- combine ------------------------------------------------------------------------------------------------------
-constexpr const char* kCombine = "jax_ep_ll_combine_v4";
-constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v4";
-constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v4";
+constexpr const char* kCombine = "jax_ep_ll_combine_v5";
+constexpr const char* kCombineSend = "jax_ep_ll_combine_send_v5";
+constexpr const char* kCombineRecv = "jax_ep_ll_combine_recv_v5";
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf expert_out, S32Mat src_info,
                    S32Mat layout_range, S32Mat msg_token, S32Cube token_rows, S32Mat topk_idx, F32Mat topk_weights,

@@ -51,12 +51,12 @@ const std::vector<Target>& Targets() {
       {"jax_ep_dispatch_v2", "CUDA", JaxEpDispatchInstantiateV2, JaxEpDispatchCudaV2},
       {"jax_ep_cached_dispatch_v2", "CUDA", JaxEpCachedDispatchInstantiateV2, JaxEpCachedDispatchCudaV2},
       {"jax_ep_combine_v2", "CUDA", JaxEpCombineInstantiateV2, JaxEpCombineCudaV2},
-      {"jax_ep_ll_dispatch_v4", "CUDA", JaxEpLlDispatchInstantiateV4, JaxEpLlDispatchCudaV4},
-      {"jax_ep_ll_dispatch_send_v4", "CUDA", JaxEpLlDispatchSendInstantiateV4, JaxEpLlDispatchSendCudaV4},
-      {"jax_ep_ll_dispatch_recv_v4", "CUDA", JaxEpLlDispatchRecvInstantiateV4, JaxEpLlDispatchRecvCudaV4},
-      {"jax_ep_ll_combine_v4", "CUDA", JaxEpLlCombineInstantiateV4, JaxEpLlCombineCudaV4},
-      {"jax_ep_ll_combine_send_v4", "CUDA", JaxEpLlCombineSendInstantiateV4, JaxEpLlCombineSendCudaV4},
-      {"jax_ep_ll_combine_recv_v4", "CUDA", JaxEpLlCombineRecvInstantiateV4, JaxEpLlCombineRecvCudaV4},
+      {"jax_ep_ll_dispatch_v5", "CUDA", JaxEpLlDispatchInstantiateV4, JaxEpLlDispatchCudaV4},
+      {"jax_ep_ll_dispatch_send_v5", "CUDA", JaxEpLlDispatchSendInstantiateV4, JaxEpLlDispatchSendCudaV4},
+      {"jax_ep_ll_dispatch_recv_v5", "CUDA", JaxEpLlDispatchRecvInstantiateV4, JaxEpLlDispatchRecvCudaV4},
+      {"jax_ep_ll_combine_v5", "CUDA", JaxEpLlCombineInstantiateV4, JaxEpLlCombineCudaV4},
+      {"jax_ep_ll_combine_send_v5", "CUDA", JaxEpLlCombineSendInstantiateV4, JaxEpLlCombineSendCudaV4},
+      {"jax_ep_ll_combine_recv_v5", "CUDA", JaxEpLlCombineRecvInstantiateV4, JaxEpLlCombineRecvCudaV4},
   };
   return targets;
 }

@@ -65,12 +65,16 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, c
   if (err.empty() && a.use_fp8 != 0 && a.hidden % kFp8Block != 0)
     err = "fp8 dispatch needs hidden % 128 == 0, got hidden=" + std::to_string(a.hidden);
   if (err.empty() && a.rdma != 0 && a.per_rank != 0)
-    err = "allow_nvlink_for_low_latency=False (NVSHMEM puts) needs low_latency_mode='per_expert'";
+    err = "the NVSHMEM low-latency kernels (allow_nvlink_for_low_latency=False or R > num_max_nvl_peers) need "
+          "low_latency_mode='per_expert'";
+  if (err.empty() && a.rdma != 0 && a.nvl_domain < 1)
+    err = "nvl_domain must be >= 1, got " + std::to_string(a.nvl_domain);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.use_fp8 = a.use_fp8 != 0;
   c.per_rank = a.per_rank != 0;
   c.rdma = a.rdma != 0;
+  c.nvl_domain = a.nvl_domain;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
 }
 
@@ -107,7 +111,8 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                                           std::to_string(rg.view.buffer_bytes) + "-byte staging buffer");
   const int64_t half_bytes = ll_half_bytes(b.ll_bytes);
   if (c.rdma && rg.view.pe[rg.view.rank] < 0)
-    return ffi_util::Precondition(target_, "allow_nvlink_for_low_latency=False moves rows with NVSHMEM puts, but the "
+    return ffi_util::Precondition(target_, "the NVSHMEM low-latency kernels (allow_nvlink_for_low_latency=False or "
+                                           "R > num_max_nvl_peers) move rows with NVSHMEM puts, but the "
                                            "group of mesh axis '" + axis_ + "' is not an NVSHMEM group: run one "
                                            "process per GPU (python -m jax_ep.launch; one process: "
                                            "JAX_EP_TRANSPORT=nvshmem)");
@@ -124,6 +129,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->ll.hidden = c.hidden;
   out->ll.max_tokens = c.max_tokens_per_rank;
   out->ll.sm_count = rg.view.sm_count;
+  out->ll.remote_ranks = c.rdma ? ll::remote_ranks(rg.view.rank, R, c.nvl_domain) : 0u;
   return ffi::Error::Success();
 }
 

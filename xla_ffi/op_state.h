@@ -40,13 +40,14 @@ struct OpConfig {
   int32_t num_sms = 0;     // normal mode
   bool use_fp8 = false;    // low-latency dispatch
   bool per_rank = false;   // low-latency mode: per_rank (EPConfig.low_latency_mode)
-  bool rdma = false;       // low-latency mode: NVSHMEM puts (EPConfig.allow_nvlink_for_low_latency=False)
+  bool rdma = false;       // low-latency mode: the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem(R))
+  int32_t nvl_domain = 0;  // with rdma: ranks r, q with r / nvl_domain == q / nvl_domain are reached by stores
   uint64_t timeout_ns = 1;
 };
 
 // One device's resolution of a call site (immutable once published).
 struct Resolved {
-  uint64_t generation = 0;
+  uint64_t generation = 0;        // groups_destroyed() when it was resolved: valid while that is current
   GroupDeviceView view;
   AxisBinding binding;
   int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, ll_offset) when an LL region is bound

@@ -17,7 +17,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV2);
 
-// low-latency mode: jax_ep_ll_dispatch_v4, jax_ep_ll_dispatch_send_v4, ..._recv_v4, jax_ep_ll_combine_v4, ...
+// low-latency mode: jax_ep_ll_dispatch_v5, jax_ep_ll_dispatch_send_v5, ..._recv_v5, jax_ep_ll_combine_v5, ...
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV4);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchCudaV4);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendInstantiateV4);

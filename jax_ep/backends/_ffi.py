@@ -46,12 +46,14 @@ def normal_attrs(cfg) -> dict:
 
 def low_latency_attrs(cfg, num_ranks: int, use_fp8: bool = False) -> dict:
     """LowLatencyAttrs: what every low-latency target decodes (use_fp8 is ignored by the combine targets; per_rank:
-    cfg.low_latency_mode_for(R); rdma: the NVSHMEM kernels, not cfg.allow_nvlink_for_low_latency)."""
+    cfg.low_latency_mode_for(R); rdma: the NVSHMEM kernels, cfg.low_latency_over_nvshmem(R); nvl_domain:
+    cfg.low_latency_nvl_domain(), the ranks those kernels reach by stores)."""
     return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
                 num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
                 timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)), use_fp8=np.int32(bool(use_fp8)),
                 per_rank=np.int32(cfg.low_latency_mode_for(num_ranks) == "per_rank"),
-                rdma=np.int32(not cfg.allow_nvlink_for_low_latency))
+                rdma=np.int32(cfg.low_latency_over_nvshmem(num_ranks)),
+                nvl_domain=np.int32(cfg.low_latency_nvl_domain()))
 
 
 # ---- jax_ep_layout_v1 ----------------------------------------------------------------------------------------
@@ -172,46 +174,46 @@ def _dispatch_result_types(like, *, num_ranks, num_local_experts, attrs):
 
 
 def ll_dispatch(x, topk_idx, state, *, num_ranks, num_local_experts, attrs):
-    """jax_ep_ll_dispatch_v4 (send + receive in one call) -> (recv_x, recv_x_scales [L, rows, S], recv_count,
+    """jax_ep_ll_dispatch_v5 (send + receive in one call) -> (recv_x, recv_x_scales [L, rows, S], recv_count,
     src_info, layout_range, msg_token [R, M], token_rows [R, M, K], state)."""
     x, topk_idx, state = match_varying(x, topk_idx, state)
     types = _dispatch_result_types(x, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
-    return _ll_call("jax_ep_ll_dispatch_v4", types, x, topk_idx, state, attrs=attrs, split=False)
+    return _ll_call("jax_ep_ll_dispatch_v5", types, x, topk_idx, state, attrs=attrs, split=False)
 
 
 def ll_dispatch_send(x, topk_idx, state, *, attrs):
-    """jax_ep_ll_dispatch_send_v4 -> (token [4], state)."""
+    """jax_ep_ll_dispatch_send_v5 -> (token [4], state)."""
     x, topk_idx, state = match_varying(x, topk_idx, state)
     types = (result_type(x, (4,), I32), result_type(x, (4,), I32))
-    return _ll_call("jax_ep_ll_dispatch_send_v4", types, x, topk_idx, state, attrs=attrs, split=True)
+    return _ll_call("jax_ep_ll_dispatch_send_v5", types, x, topk_idx, state, attrs=attrs, split=True)
 
 
 def ll_dispatch_recv(token, state, *, num_ranks, num_local_experts, attrs):
-    """jax_ep_ll_dispatch_recv_v4 -> (recv_x, recv_x_scales, recv_count, src_info, layout_range, msg_token,
+    """jax_ep_ll_dispatch_recv_v5 -> (recv_x, recv_x_scales, recv_count, src_info, layout_range, msg_token,
     token_rows, state)."""
     token, state = match_varying(token, state)
     types = _dispatch_result_types(token, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
-    return _ll_call("jax_ep_ll_dispatch_recv_v4", types, token, state, attrs=attrs, split=True)
+    return _ll_call("jax_ep_ll_dispatch_recv_v5", types, token, state, attrs=attrs, split=True)
 
 
 def ll_combine(expert_out, src_info, layout_range, msg_token, token_rows, topk_idx, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_v4 (send + receive in one call) -> (y [T, H] bf16, state)."""
+    """jax_ep_ll_combine_v5 (send + receive in one call) -> (y [T, H] bf16, state)."""
     ops = match_varying(expert_out, src_info, layout_range, msg_token, token_rows, topk_idx, topk_weights, state)
     T, H = topk_idx.shape[0], int(attrs["hidden"])
     types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_v4", types, *ops, attrs=attrs, split=False)
+    return _ll_call("jax_ep_ll_combine_v5", types, *ops, attrs=attrs, split=False)
 
 
 def ll_combine_send(expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_send_v4 -> (token [4], state). topk_weights: pushed to the expert ranks (per_rank)."""
+    """jax_ep_ll_combine_send_v5 -> (token [4], state). topk_weights: pushed to the expert ranks (per_rank)."""
     ops = match_varying(expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state)
     types = (result_type(ops[0], (4,), I32), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_send_v4", types, *ops, attrs=attrs, split=True)
+    return _ll_call("jax_ep_ll_combine_send_v5", types, *ops, attrs=attrs, split=True)
 
 
 def ll_combine_recv(token, topk_idx, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_recv_v4 -> (y [T, H] bf16, state)."""
+    """jax_ep_ll_combine_recv_v5 -> (y [T, H] bf16, state)."""
     ops = match_varying(token, topk_idx, topk_weights, state)
     T, H = topk_idx.shape[0], int(attrs["hidden"])
     types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_recv_v4", types, *ops, attrs=attrs, split=True)
+    return _ll_call("jax_ep_ll_combine_recv_v5", types, *ops, attrs=attrs, split=True)

@@ -49,6 +49,9 @@ def parse_args(argv, on_gpu):
     p.add_argument("--calls", type=int, default=20, help="chained calls per timed loop (N >= 20)")
     p.add_argument("--loops", type=int, default=5, help="timed loops; the median is reported")
     p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--nvl", type=int, default=8,
+                   help="EPConfig.num_max_nvl_peers; below the EP size the low-latency ops run the NVSHMEM kernels "
+                        "with NVSHMEM puts between the simulated nodes (one process per GPU; docs/INTERNODE.md)")
     p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots")
@@ -93,11 +96,11 @@ def main(argv=None):
     for mode, tokens, experts, ll_mode in sweeps:
         if mode == "normal":
             cases = normal_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
-                                      num_sms=args.num_sms, with_ragged=bool(gpus))
+                                      num_sms=args.num_sms, with_ragged=bool(gpus), nvl=args.nvl)
         else:
             cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
                                            backend=args.backend, num_sms=args.num_sms, with_ragged=bool(gpus),
-                                           ll_mode=ll_mode)
+                                           ll_mode=ll_mode, nvl=args.nvl)
         cases = [c for c in cases if not only or any(s in c.name for s in only)]
         for i, case in enumerate(cases):
             print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
@@ -122,6 +125,7 @@ def main(argv=None):
                 continue
             gbps = case.bytes_received / timing.seconds / 1e9
             results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
+                                nvl=args.nvl,
                                 ranks=len(devices), name=case.name, kind=case.kind, op=case.op_kind,
                                 us=timing.seconds * 1e6, gbps=gbps, spread=timing.spread,
                                 first_call_us=None if timing.first_call is None else timing.first_call * 1e6,
@@ -142,7 +146,7 @@ def _initialize_all(sweeps, args, devices):
     normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep."""
     from .contenders import bench_config, bench_mesh
 
-    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode)
+    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode, args.nvl)
                for _, tokens, experts, ll_mode in sweeps]
     if configs:
         jax_ep.initialize(bench_mesh(devices), *configs)
@@ -165,7 +169,7 @@ def low_latency_phases(devices, args, rng):
             tag = "" if ll_mode == "per_expert" else f" [{ll_mode}]"
             try:
                 fn, fargs = low_latency_phase_programs(devices, tokens, args.hidden, args.topk, args.ll_experts,
-                                                       rng, args.num_sms, ll_mode)
+                                                       rng, args.num_sms, ll_mode, args.nvl)
                 times = kernel_times(fn, fargs, patterns)
             except Exception as e:  # the profiler is optional: say why there are no phase times
                 print(f"[low_latency T={tokens}{tag}] no kernel times: {type(e).__name__}: "

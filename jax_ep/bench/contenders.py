@@ -56,19 +56,20 @@ def bench_mesh(devices) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert") -> jax_ep.EPConfig:
+def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert", nvl=8) -> jax_ep.EPConfig:
     """The config of one sweep (the same object everywhere: __main__ initializes all of them up front). ll_mode
-    "nvshmem": per_expert rows moved by NVSHMEM puts (allow_nvlink_for_low_latency=False)."""
+    "nvshmem": per_expert rows moved by NVSHMEM puts (allow_nvlink_for_low_latency=False). nvl: num_max_nvl_peers
+    (below R, the LL ops run the NVSHMEM kernels with puts between the simulated nodes)."""
     over_nvshmem = ll_mode == "nvshmem"
     return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
                            low_latency_mode="per_expert" if over_nvshmem else ll_mode,
-                           allow_nvlink_for_low_latency=not over_nvshmem)
+                           allow_nvlink_for_low_latency=not over_nvshmem, num_max_nvl_peers=nvl)
 
 
-def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert"):
+def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert", nvl=8):
     """Mesh, initialized config, DeepEP routing (numpy, for byte counts) and the sharded-to-be inputs."""
     mesh = bench_mesh(devices)
-    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode)
+    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode, nvl)
     jax_ep.initialize(mesh, cfg)  # a no-op when __main__ initialized every config of the run already
     idx = deepep_routing(rng, len(devices), tokens, experts, topk)
     spec = P(AXIS)
@@ -77,8 +78,8 @@ def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mod
     return len(devices), mesh, cfg, idx, x, w
 
 
-def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged):
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms)
+def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged, nvl=8):
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, nvl=nvl)
     rows = _received_rows(idx, ranks, tokens, experts)
     idx = to_global(idx, mesh, P(AXIS))
     q, scales = jax.jit(jax_ep.fp8.quantize_blocks)(x)
@@ -164,10 +165,11 @@ def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
 
 
 def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged,
-                           ll_mode="per_expert"):
+                           ll_mode="per_expert", nvl=8):
     """LL contenders of one mode (EPConfig.low_latency_mode; its name is appended unless per_expert), the padded
     all_to_all and, for per_expert, the overlap and ragged baselines."""
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode)
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode,
+                                         nvl)
     tag = "" if ll_mode == "per_expert" else f" ({ll_mode})"
     pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
     idx = to_global(idx, mesh, P(AXIS))
@@ -270,9 +272,9 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, handle, rng, matmul_n=2048):
     ]
 
 
-def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms, ll_mode="per_expert"):
+def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms, ll_mode="per_expert", nvl=8):
     """(fn, args) running LL dispatch fp8 then combine once, for per-kernel times from the profiler."""
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms, ll_mode)
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms, ll_mode, nvl)
     spec = P(AXIS)
 
     def body(x, idx, w):

@@ -114,7 +114,7 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
     low_latency = 0
     if cfg.uses_low_latency_buffers():
         low_latency = int(m.low_latency_buffer_bytes(cfg.hidden, cfg.max_tokens_per_rank, num_ranks, cfg.num_experts,
-                                                     not cfg.allow_nvlink_for_low_latency))
+                                                     cfg.low_latency_over_nvshmem(num_ranks)))
     return BufferSizeHint(normal, low_latency, normal + low_latency)
 
 
@@ -122,7 +122,7 @@ def rdma_size_hint(cfg: EPConfig, num_ranks: int) -> int:
     """Bytes of NVSHMEM symmetric memory one rank needs for `cfg` with one process per GPU (DeepEP's RDMA size hint).
 
     In that model all of a config's staging is symmetric memory: its normal region and its low-latency region, the
-    latter with the send slots of the NVSHMEM puts when cfg.allow_nvlink_for_low_latency=False. initialize sizes the
+    latter with the send slots of the NVSHMEM puts when cfg.low_latency_over_nvshmem(num_ranks). initialize sizes the
     heap (NVSHMEM_SYMMETRIC_SIZE) itself from the largest config per axis plus 256 MiB for NVSHMEM, unless the
     variable is set; set it from this hint when a later initialize of the same process will need more.
     Raises EPError like buffer_size_hint.
@@ -269,7 +269,8 @@ def _build(mesh, configs, retired: list) -> Runtime:
     cuda_configs = [c for c, b in backends.items() if b == "cuda"]
     # one process per GPU (NVSHMEM): several processes, or CUDA configs with JAX_EP_TRANSPORT=nvshmem
     multi = jax.process_count() > 1 or (bool(cuda_configs) and _one_process_per_gpu())
-    _check_low_latency_transport(cuda_configs, multi)
+    _check_low_latency_transport(cuda_configs, {c.axis_name: len(groups[c.axis_name][0].device_ids)
+                                                for c in cuda_configs}, multi)
     axes = sorted({c.axis_name for c in cuda_configs})
     buffer_bytes = ll_offset = ll_bytes = 0
     if cuda_configs:
@@ -297,22 +298,34 @@ def _build(mesh, configs, retired: list) -> Runtime:
                    retired=retired, bound_axes=tuple(axes) if transport else (), mesh=mesh)
 
 
-def _check_low_latency_transport(cuda_configs, one_process_per_gpu: bool) -> None:
-    """EPConfig.allow_nvlink_for_low_latency=False needs the NVSHMEM transport, and the configs of one mesh axis must
-    agree on it (their low-latency ops share one region and one consumed protocol)."""
+def _check_low_latency_transport(cuda_configs, num_ranks: dict, one_process_per_gpu: bool) -> None:
+    """The NVSHMEM low-latency kernels (cfg.low_latency_over_nvshmem(R): allow_nvlink_for_low_latency=False, or a group
+    wider than num_max_nvl_peers) need the NVSHMEM transport and per_expert mode, and the configs of one mesh axis
+    must agree on which kernels run and on their NVLink domain (their low-latency ops share one region and one
+    consumed protocol, whose words each take one mechanism per pair of ranks). num_ranks: axis -> R."""
     by_axis: dict = {}
     for c in cuda_configs:
         if c.uses_low_latency_buffers():
-            by_axis.setdefault(c.axis_name, set()).add(c.allow_nvlink_for_low_latency)
+            R = num_ranks[c.axis_name]
+            over = c.low_latency_over_nvshmem(R)
+            by_axis.setdefault(c.axis_name, set()).add((over, c.low_latency_nvl_domain() if over else 0))
+            if over and c.low_latency_mode_for(R) == "per_rank":
+                raise EPError(f"jax_ep.initialize: low_latency_mode='per_rank' (axis {c.axis_name!r}, R={R}) has "
+                              f"no NVSHMEM kernels, which run when allow_nvlink_for_low_latency=False or R > "
+                              f"num_max_nvl_peers ({c.num_max_nvl_peers}): use low_latency_mode 'per_expert' or "
+                              f"'auto'")
     for axis, values in sorted(by_axis.items()):
         if len(values) > 1:
-            raise EPError(f"jax_ep.initialize: the CUDA configs of mesh axis {axis!r} disagree on "
-                          f"EPConfig.allow_nvlink_for_low_latency; every config of one axis must use the same value")
-        if values == {False} and not one_process_per_gpu:
-            raise EPError(f"jax_ep.initialize: EPConfig.allow_nvlink_for_low_latency=False (axis {axis!r}) moves "
-                          f"low-latency rows with NVSHMEM puts, which needs one process per GPU: start the program "
-                          f"with python -m jax_ep.launch -n N (one GPU: JAX_EP_TRANSPORT=nvshmem python -m "
-                          f"jax_ep.launch -n 1 ...)")
+            raise EPError(f"jax_ep.initialize: the CUDA configs of mesh axis {axis!r} disagree on the low-latency "
+                          f"kernels (EPConfig.allow_nvlink_for_low_latency, num_max_nvl_peers); every config of one "
+                          f"axis must make the same choice")
+        (over, _), = values
+        if over and not one_process_per_gpu:
+            raise EPError(f"jax_ep.initialize: the low-latency ops of axis {axis!r} (R={num_ranks[axis]}) run the "
+                          f"NVSHMEM kernels (allow_nvlink_for_low_latency=False, or R > num_max_nvl_peers: a group "
+                          f"wider than one NVLink domain), which need one process per GPU: start the program with "
+                          f"python -m jax_ep.launch -n N (one GPU: JAX_EP_TRANSPORT=nvshmem python -m jax_ep.launch "
+                          f"-n 1 ...)")
 
 
 def _connect_multi_process(mesh, configs, backends, groups, cuda_configs, axes, buffer_bytes, retired, timings):

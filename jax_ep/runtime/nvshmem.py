@@ -153,7 +153,8 @@ class NvshmemTransport:
         return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
                      device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
                      timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
-                     needs_device_library=any(not c.allow_nvlink_for_low_latency for c in cuda_configs))
+                     needs_device_library=any(c.uses_low_latency_buffers() and c.low_latency_over_nvshmem(
+                         len(pes_by_axis[c.axis_name][0])) for c in cuda_configs))
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -259,11 +260,11 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             t = time.perf_counter()
             device = check_device_api(m, process_id, timeout_s)
             timings["device_check"] = time.perf_counter() - t
-            # the NVSHMEM low-latency kernels (EPConfig.allow_nvlink_for_low_latency=False) for the native handlers
+            # the NVSHMEM low-latency kernels (EPConfig.low_latency_over_nvshmem) for the native handlers
             _native.module().set_low_latency_rdma_ops(m.low_latency_rdma_ops())
         elif needs_device_library:
-            raise EPError("jax_ep.initialize: EPConfig.allow_nvlink_for_low_latency=False needs NVSHMEM's device "
-                          "library in jax_ep._jax_ep_nvshmem, and this build has none (the nvidia-nvshmem-cu13 "
+            raise EPError("jax_ep.initialize: the NVSHMEM low-latency kernels (EPConfig.allow_nvlink_for_low_latency="
+                          "False, or R > num_max_nvl_peers) need NVSHMEM's device library in jax_ep._jax_ep_nvshmem, and this build has none (the nvidia-nvshmem-cu13 "
                           "wheel it was built against lacks lib/libnvshmem_device.a; docs/BUILDING.md)")
 
         t = time.perf_counter()

@@ -2,10 +2,11 @@
 // docs/INTERNODE.md. per_expert mode. Every row moves in counted messages of at most 2 KB into the slot the NVLink
 // kernels (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs, state/token protocol and outputs;
 // what differs is how data and completion travel:
-//   rows        to a peer without a load/store mapping: from a local send slot of the symmetric buffer (a remote
-//               put's source must be symmetric or registered memory) with nvshmemx_putmem_signal_nbi_warp; to a
-//               peer with one (nvshmem_ptr non-null: NVLink, or this rank): stores through that pointer and a
-//               system-scope GPU atomic ("one mechanism per counted word" below says why not NVSHMEM's own);
+//   rows        to a remote peer (another NVLink domain, or no load/store mapping): from a local send slot of the
+//               symmetric buffer (a remote put's source must be symmetric or registered memory) with
+//               nvshmemx_putmem_signal_nbi_warp; to a direct peer (same NVLink domain with an nvshmem_ptr mapping,
+//               this rank included): stores through that pointer and a system-scope GPU atomic ("one mechanism per
+//               counted word" below says which peer is which and why not NVSHMEM's own atomics);
 //   completion  counted signals (counted_signal.cuh): u64 words at the receiver, one per (local expert, source) for
 //               dispatch and per expert for combine, each message ADDs 1 after its bytes, the sender announces its
 //               count with one signal ADD; no flag SET (IBRC/UCX need GDRCopy for it) and no fence before counts;
@@ -26,6 +27,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/preload.cuh"
 #include "device/counted_signal.cuh"
 #include "device/ll_rdma.h"
 #include "kernels/ll_device.cuh"
@@ -75,13 +77,16 @@ __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, co
 // NVSHMEM turns a signal ADD into a GPU atomic through the P2P pointer only when the whole JOB is load/store
 // connected (nvshmemi_device_state_d.job_connectivity <= NVSHMEMI_JOB_GPU_LDST); in a job with any remote PE every
 // signal op goes through the proxy or the NIC, for NVLink peers and this PE too. A NIC atomic is not atomic with a
-// GPU atomic on the same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer with a
-// load/store mapping (nvshmem_ptr non-null, "direct") gets stores through that pointer and system-scope GPU atomics
-// for every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only.
-// all_remote (the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1) treats every peer as remote: on one host it is the only
-// way to run the remote path.
-__device__ __forceinline__ bool is_direct(const Ctx& c, int d, int all_remote) {
-  return !all_remote && nvshmem_ptr(self_base(c.g), c.g.pe[d]) != nullptr;
+// GPU atomic on the same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer of
+// this rank's NVLink domain (c.remote_ranks bit clear: r / nvl_domain equal, EPConfig.low_latency_nvl_domain) with
+// a load/store mapping (nvshmem_ptr non-null) is "direct": stores through that pointer and system-scope GPU atomics
+// for every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only. Both
+// ends of a pair compute the same answer (the domains are symmetric; nvshmem_ptr is non-null both ways on one host).
+// Simulated nodes on one host (num_max_nvl_peers=1 on 2 GPUs) thus run the RDMA leg through the same NVSHMEM calls
+// as across hosts; the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 sets every bit, this rank's too (the only way to
+// run the remote path with one GPU).
+__device__ __forceinline__ bool is_direct(const Ctx& c, int d) {
+  return !((c.remote_ranks >> d) & 1u) && nvshmem_ptr(self_base(c.g), c.g.pe[d]) != nullptr;
 }
 
 __device__ __forceinline__ void add_to_word(uint64_t* word_sym, uint64_t value, int pe, bool direct) {
@@ -155,7 +160,7 @@ struct RdmaWait {
 // NOTE: the E words are spread over the block's threads: one thread polling E words serially (a volatile load and
 // a system fence each) cost ~280 us per op at E=288.
 template <typename Params, typename Body>
-__device__ __forceinline__ void rdma_receive_frame(const Params& p, int all_remote, Body body) {
+__device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
   const Ctx& c = p.c;
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
@@ -173,7 +178,7 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, int all_remo
     if (threadIdx.x == 0) {
       __threadfence_system();  // every reset is visible before any sender can see the count below
       uint64_t* mine = consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank;
-      for (int d = 0; d < c.g.num_ranks; ++d) add_to_word(mine, 1, c.g.pe[d], is_direct(c, d, all_remote));
+      for (int d = 0; d < c.g.num_ranks; ++d) add_to_word(mine, 1, c.g.pe[d], is_direct(c, d));
     }
   }
   if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
@@ -182,7 +187,7 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, int all_remo
 // ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
 // its distinct experts' owners in 2 KB parts (one counted message each, spread over the block's warps). Counts per
 // expert in this rank's scratch; the last block announces them all (rows x parts). -----------------------------
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, int all_remote) {
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
@@ -197,7 +202,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
   __shared__ int32_t s_direct[kMaxGroupRanks];
   if (threadIdx.x < R) {  // token_slots' __syncthreads orders these before their use
-    s_direct[threadIdx.x] = is_direct(c, threadIdx.x, all_remote);
+    s_direct[threadIdx.x] = is_direct(c, threadIdx.x);
     wait_consumed_rdma(c, threadIdx.x, epoch);
   }
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
@@ -236,7 +241,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   }
 }
 
-__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p, int all_remote) {
+__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
@@ -245,7 +250,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
               p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
               consumed_words(c));
   __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, all_remote);  // block-uniform
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
   if (!last_block_all(ll_word(c.g, SignalHeader::kLlSendDone), &s_last)) return;
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.ll.scratch);
@@ -256,7 +261,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
       const uint32_t n = atomicExch(counts + dest, 0u);
       const int d = dest / L;
       add_to_word(signals + (dest % L) * R + c.g.rank, announce_value(n * parts), c.g.pe[d],
-                  is_direct(c, d, all_remote));
+                  is_direct(c, d));
     }
   }
   __syncthreads();
@@ -265,12 +270,12 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
 
 // ---- combine send: blocks (local expert l, part); a warp puts one 2 KB segment of a valid row to the token's rank,
 // slot [global expert][token] (each segment is one counted message: one warp per 14 KB row left a put latency-bound,
-// 39 us at T=128 on one H100); part 0 announces, per source rank, its valid rows x segments. To a rank NVSHMEM
-// reaches by load/store (nvshmem_ptr non-null: an NVLink peer) a segment is stored straight from expert_out
-// through that pointer with jax_ep's copy and counted with a system-scope atomic, which is what a P2P
-// put-with-signal does (the issue's "NVLink peers keep the direct-pointer path"); to the others it is staged in the
-// send slots (a remote transport's source must be symmetric or registered memory) and put with signal. ---------
-__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch, int all_remote) {
+// 39 us at T=128 on one H100); part 0 announces, per source rank, its valid rows x segments. To a direct rank
+// (is_direct: same NVLink domain, load/store mapping) a segment is stored straight from expert_out through
+// nvshmem_ptr with jax_ep's copy and counted with a system-scope atomic, which is what a P2P put-with-signal does
+// (the issue's "NVLink peers keep the direct-pointer path"); to the others it is staged in the send slots (a
+// remote transport's source must be symmetric or registered memory) and put with signal. ----------------------
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
@@ -287,7 +292,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
   }
   if (tid < R) {
-    s_direct[tid] = is_direct(c, tid, all_remote);
+    s_direct[tid] = is_direct(c, tid);
     wait_consumed_rdma(c, tid, epoch);
   }
   __syncthreads();
@@ -328,25 +333,24 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p, int all_remote) {
+__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
               &s_gate, consumed_words(p.c));
   __syncthreads();
-  if (s_gate.work) combine_send_body(p, s_gate.epoch, all_remote);  // block-uniform
+  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
   finish_send(p.c.g, p.io, s_gate);
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p, int all_remote) {
+__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p) {
   const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden)};
-  rdma_receive_frame(p, all_remote, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
+  rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
 }
 
-__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p,
-                                                                                  int all_remote) {
-  rdma_receive_frame(p, all_remote, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
+__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p) {
+  rdma_receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
 }
 
 // ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
@@ -358,44 +362,58 @@ const char* launch_error(const char* what) {
   return message.c_str();
 }
 
-// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once.
-int all_peers_remote() {
-  static const int value = [] {
+// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once: a copy of the params with every rank remote.
+template <typename Params>
+Params with_test_hook(const Params& p) {
+  static const bool all_remote = [] {
     const char* v = std::getenv("JAX_EP_TEST_ALL_PEERS_REMOTE");
-    return v != nullptr && std::string(v) == "1" ? 1 : 0;
+    return v != nullptr && std::string(v) == "1";
   }();
-  return value;
+  Params q = p;
+  if (all_remote) q.c.remote_ranks = ~0u;
+  return q;
 }
 
 const char* refuse_per_rank(bool per_rank) {
-  return per_rank ? "low_latency_mode='per_rank' has no NVSHMEM kernels yet (EPConfig.allow_nvlink_for_low_latency="
-                    "False needs low_latency_mode='per_expert')"
+  return per_rank ? "low_latency_mode='per_rank' has no NVSHMEM kernels yet (they run when "
+                    "allow_nvlink_for_low_latency=False or R > num_max_nvl_peers; use low_latency_mode='per_expert')"
                   : nullptr;
 }
 
 const char* dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(p, all_peers_remote());
+  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(with_test_hook(p));
   return launch_error("low-latency dispatch send (NVSHMEM)");
 }
 
 const char* dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p, all_peers_remote());
+  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p));
   return launch_error("low-latency dispatch receive (NVSHMEM)");
 }
 
 const char* combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p, all_peers_remote());
+  rdma_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p));
   return launch_error("low-latency combine send (NVSHMEM)");
 }
 
 const char* combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p, all_peers_remote());
+  rdma_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(with_test_hook(p));
   return launch_error("low-latency combine receive (NVSHMEM)");
 }
+
+}  // namespace
+
+Status preload_kernels() {
+  return preload({reinterpret_cast<const void*>(rdma_dispatch_send_kernel),
+                  reinterpret_cast<const void*>(rdma_dispatch_recv_kernel),
+                  reinterpret_cast<const void*>(rdma_combine_send_kernel),
+                  reinterpret_cast<const void*>(rdma_combine_recv_kernel)});
+}
+
+namespace {
 
 const LowLatencyRdmaOps kOps = {kLowLatencyRdmaAbi, &dispatch_send, &dispatch_recv, &combine_send, &combine_recv};
 

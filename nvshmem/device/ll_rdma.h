@@ -3,9 +3,14 @@
 #pragma once
 
 #include "jax_ep/rdma_ops.h"
+#include "jax_ep/status.h"
 
 namespace jax_ep::rdma {
 
 const LowLatencyRdmaOps* low_latency_ops();
+
+// Loads the four kernels into the current device's context (CUDA lazy loading would otherwise load each at its
+// first launch, ~ms, inside the first real call; cuda/common/preload.cuh).
+Status preload_kernels();
 
 }  // namespace jax_ep::rdma

@@ -5,7 +5,8 @@ three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks
     compute-sanitizer --tool memcheck --kernel-name kns=ll_ python3 tests/gpu/sanitize_ll_small.py [per_rank]
 
 Mode "nvshmem": per_expert with allow_nvlink_for_low_latency=False (the NVSHMEM kernels, names rdma_*), run in one
-process per GPU (JAX_EP_TEST_ALL_PEERS_REMOTE=1 for the remote path):
+process per GPU; with -n 2 the other rank is reached by NVSHMEM puts, with -n 1 set JAX_EP_TEST_ALL_PEERS_REMOTE=1
+for the remote path:
     JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool memcheck --kernel-name kns=rdma_ \
         python3 -m jax_ep.launch -n 1 tests/gpu/sanitize_ll_small.py nvshmem
 """
@@ -17,9 +18,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep
+
+
+def _global(v, mesh):
+    """The host array v sharded along "ep" over the mesh (each process fills its own devices' rows)."""
+    return jax.make_array_from_callback(v.shape, NamedSharding(mesh, P("ep")), lambda index: v[index])
 
 
 def main(mode: str = "per_expert"):
@@ -55,9 +62,11 @@ def main(mode: str = "per_expert"):
     for round_ in range(3):
         idx = np.stack([rng.choice(E, size=K, replace=False) for _ in range(R * T)]).astype(np.int32)
         idx[rng.random(idx.shape) < 0.2] = -1
-        x = jnp.asarray(rng.normal(size=(R * T, H)), jnp.bfloat16)
-        w = jnp.asarray(rng.random(size=idx.shape), jnp.float32)
-        c8, c16, y, y2, y3, st = jax.device_get(f(x, jnp.asarray(idx), w))
+        x = np.asarray(rng.normal(size=(R * T, H))).astype(jnp.bfloat16)
+        w = rng.random(size=idx.shape).astype(np.float32)
+        # global arrays and gathered results: the same code in one process and in one process per GPU
+        outs = f(*(_global(v, mesh) for v in (x, idx, w)))
+        c8, c16, y, y2, y3, st = (np.asarray(v) for v in multihost_utils.process_allgather(outs, tiled=True))
         jax_ep.check_low_latency_state(st)
         assert (np.asarray(st).reshape(-1, 4) == [6, 0, 0, 0]).all(), st
         assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y3).view(np.uint16))

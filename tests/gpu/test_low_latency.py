@@ -258,8 +258,8 @@ def test_compiled_hlo_uses_the_split_custom_calls():
     jax_ep.initialize(mesh, *cfgs.values())
     x, idx, w = _inputs(np.random.default_rng(1), R, 16)
     text = _round_trip_program(cfgs["cuda"], mesh, True).lower(x, idx, w).compile().as_text()
-    for target in ("jax_ep_ll_dispatch_send_v4", "jax_ep_ll_dispatch_recv_v4", "jax_ep_ll_combine_send_v4",
-                   "jax_ep_ll_combine_recv_v4"):
+    for target in ("jax_ep_ll_dispatch_send_v5", "jax_ep_ll_dispatch_recv_v5", "jax_ep_ll_combine_send_v5",
+                   "jax_ep_ll_combine_recv_v5"):
         assert target in text, target
     for collective in ("all-to-all", "all-gather", "all-reduce"):
         assert collective not in text, f"stray {collective} in the compiled LL program"

@@ -127,19 +127,25 @@ def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_pa
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: NVSHMEM path != peer path, one GPU")
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_low_latency_over_nvshmem_puts_matches_reference(n):
-    """EPConfig(allow_nvlink_for_low_latency=False): ep_cuda.py's whole program with the LL rows moved by NVSHMEM
-    put-with-signal (nvshmem/device/ll_rdma.cu) between simulated nodes of one GPU (num_max_nvl_peers=1); n=1 runs
-    it with JAX_EP_TRANSPORT=nvshmem (every put goes to the process itself)."""
+@pytest.mark.parametrize("n,flags", [
+    (1, ("--ll-over-nvshmem",)),   # JAX_EP_TRANSPORT=nvshmem, one process: the rank itself is the one peer
+    (2, ("--ll-over-nvshmem",)),   # allow_nvlink_for_low_latency=False: puts to the other rank
+    (2, ()),                       # R=2 > num_max_nvl_peers=1: the NVSHMEM kernels by themselves (2 nodes of 1)
+])
+def test_low_latency_over_nvshmem_puts_matches_reference(n, flags):
+    """The LL rows moved by NVSHMEM put-with-signal (nvshmem/device/ll_rdma.cu) between simulated nodes of one GPU
+    (num_max_nvl_peers=1): ep_cuda.py's whole program bit-identical to the reference backend, and its lowered LL
+    calls carry rdma = 1 (the NVSHMEM kernels), whether chosen by allow_nvlink_for_low_latency=False or by R > nvl."""
     _require(n)
     from jax_ep.runtime import nvshmem as nvshmem_runtime
 
     if not nvshmem_runtime.module().has_device_library():
         pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
-    out = _launch(n, "--nvl", "1", "--ll-over-nvshmem", env={"JAX_EP_TRANSPORT": "nvshmem"})
-    for tag in ("runtime", "device_check", "correctness", "reinitialize", "done"):
+    out = _launch(n, "--nvl", "1", *flags, env={"JAX_EP_TRANSPORT": "nvshmem"})
+    for tag in ("runtime", "device_check", "ll_kernels", "correctness", "reinitialize", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
+    for line in _lines(out, "ll_kernels").values():
+        assert "rdma=[1]" in line, line
 
 
 def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):

@@ -26,7 +26,7 @@ struct LowLatencyRdmaOps {
 };
 
 constexpr uint64_t kLowLatencyRdmaAbi =
-    (uint64_t{1} << 48) ^ (sizeof(ll::DispatchSendParams) << 36) ^ (sizeof(ll::DispatchRecvParams) << 24) ^
+    (uint64_t{2} << 48) ^ (sizeof(ll::DispatchSendParams) << 36) ^ (sizeof(ll::DispatchRecvParams) << 24) ^
     (sizeof(ll::CombineSendParams) << 12) ^ sizeof(ll::CombineRecvParams) ^ (sizeof(LowLatencyLayout) << 40);
 
 // The table the LL handlers launch through (cuda/transport/rdma_ops.cc); nullptr clears it. Error: another ABI.

@@ -14,6 +14,7 @@ Prints `RESULT <what> ...` lines; any failed check raises (non-zero exit).
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -191,6 +192,10 @@ def bits(v):
     return v.view(np.uint16) if v.dtype == jnp.bfloat16 else (v.view(np.uint8) if v.dtype == jnp.float8_e4m3fn else v)
 
 
+# which LL kernels the lowered program calls (rdma = 1: the NVSHMEM kernels; EPConfig.low_latency_over_nvshmem)
+hlo = program(cfgs["cuda"]).trace(*args).lower().as_text()
+result("ll_kernels", rdma=sorted({int(v) for v in re.findall(r"\brdma = (\d+) : i32", hlo)}),
+       nvl_domain=sorted({int(v) for v in re.findall(r"\bnvl_domain = (\d+) : i32", hlo)}))
 got = host(program(cfgs["cuda"])(*args))
 want = host(program(cfgs["reference"])(*args))
 exact = [k for k in got if not k.startswith(("y", "grad", "llfp8"))]
