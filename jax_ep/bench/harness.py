@@ -53,7 +53,10 @@ def feed_row(carry, out):
 def to_global(a, mesh, spec):
     """`a` as an array sharded over the whole mesh by `spec`, in both process models: an array that already spans
     processes is only resharded; anything else (numpy, or an array on this process's devices, the same value on
-    every process) goes through the host to every process's shards."""
+    every process) goes through the host to every process's shards. A pytree (e.g. a handle) is converted leaf by
+    leaf with the same spec."""
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(a)):
+        return jax.tree_util.tree_map(lambda leaf: to_global(leaf, mesh, spec), a)
     sharding = NamedSharding(mesh, spec)
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         return jax.device_put(a, sharding)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call for the NVSHMEM (internode) low-latency path: build, the multi-process NVSHMEM tests first, the
+# whole GPU suite, compute-sanitizer on simulated nodes, then (STEPS=bench) the EP-size benchmark of both paths.
+# Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench (default build,mp,suite,sanitize).
+#   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
+#   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+S="$OUT/summary.txt"; touch "$S"
+N=${N:-2}; STEPS=",${STEPS:-build,mp,suite,sanitize},"; LL_TOKENS=${LL_TOKENS:-1,32,128}
+run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|OK|ERROR SUMMARY|error' "$OUT/$name.log" | tail -2 | tr '\n' ' ')" | tee -a "$S"; }
+has() { [[ "$STEPS" == *",$1,"* ]]; }
+nvidia-smi -L >> "$S" 2>&1
+has build && run build 240 python3 -m pip install --no-build-isolation --no-deps -e . -v
+has mp && run mp_nvshmem 240 python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_multiprocess_cuda.py \
+  -k "nvshmem or two_launchers"
+# the suite one file per process: a kernel that traps poisons its CUDA context, which would fail every later test
+if has suite; then
+  for f in tests/test_native_build.py tests/gpu/test_*.py; do
+    [ "$f" = tests/gpu/test_multiprocess_cuda.py ] && has mp && k=(-k "not (nvshmem or two_launchers)") || k=()
+    run "suite_$(basename "$f" .py)" 200 python3 -m pytest -p no:cacheprovider -q -rs "$f" "${k[@]}"
+  done
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    run "san_${tool}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool --report-api-errors no \
+      --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_ll_small.py nvshmem
+  done
+  run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
+    --tool memcheck --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 1 --timeout 110 \
+    tests/gpu/sanitize_ll_small.py nvshmem
+fi
+if has bench; then
+  run bench_nvlink_ep$N 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency \
+    --ll-tokens "$LL_TOKENS" --loops 15 --out "$OUT/bench_nvlink"
+  run bench_nvshmem_ep$N 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" -m jax_ep.bench \
+    --mode low_latency --ll-tokens "$LL_TOKENS" --loops 15 --nvl 1 --out "$OUT/bench_nvshmem"
+  for b in nvlink nvshmem; do grep -E "^\||kernel\)" "$OUT/bench_${b}_ep$N.log" | grep -v "^\[" | sed "s/^/$b: /" >> "$S"; done
+fi
+cat "$S"
