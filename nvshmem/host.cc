@@ -337,6 +337,20 @@ Status finalize() {
 
 bool has_device_library() { return JAX_EP_NVSHMEM_DEVICE != 0; }
 
+Status remote_put_bytes(bool reset, uint64_t* out) {
+#if JAX_EP_NVSHMEM_DEVICE
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  JAX_EP_RETURN_IF_ERROR(need_initialized(s, "remote_put_bytes"));
+  JAX_EP_RETURN_IF_ERROR(select_device(s));
+  return rdma::remote_put_bytes(reset, out);
+#else
+  (void)reset;
+  (void)out;
+  return Status::Error("remote_put_bytes: this jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library");
+#endif
+}
+
 Status device_check(double timeout_s, std::vector<int32_t>* out) {
 #if JAX_EP_NVSHMEM_DEVICE
   State& s = state();

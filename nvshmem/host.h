@@ -72,6 +72,9 @@ bool has_device_library();
 // CheckResult words of this PE (my_pe, n_pes, complete, bad_payloads, bad_counts, first_missing, missing word
 // low/high). Each PE's kernel waits at most timeout_s for the others. Error without the device library.
 Status device_check(double timeout_s, std::vector<int32_t>* out);
+// Test hook (JAX_EP_TEST_COUNT_REMOTE_BYTES=1 before initialize): bytes of low-latency rows this process's device
+// put to remote peers since the last reset (device/ll_rdma.h).
+Status remote_put_bytes(bool reset, uint64_t* out);
 
 // Bytes currently allocated through malloc_zeroed, and the number of live teams made by team_split_strided.
 size_t allocated_bytes();

@@ -146,6 +146,16 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       "Collective: every PE sends counted put-with-signal messages to every PE from a kernel and checks what it "
       "received (dict of what this PE saw; complete == n_pes and zero bad counts/payloads when all is well)");
   m.def(
+      "test_remote_put_bytes",
+      [](bool reset) {
+        uint64_t bytes = 0;
+        blocking([&] { return nh::remote_put_bytes(reset, &bytes); });
+        return bytes;
+      },
+      nb::arg("reset") = false,
+      "Test hook: bytes of low-latency rows this device put to remote peers (NVSHMEM puts) since the last reset; "
+      "counted only when JAX_EP_TEST_COUNT_REMOTE_BYTES=1 was set before initialize");
+  m.def(
       "low_latency_rdma_ops",
       []() -> nb::object {
 #if JAX_EP_NVSHMEM_DEVICE

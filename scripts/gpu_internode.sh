@@ -2,6 +2,7 @@
 # One device call for the NVSHMEM (internode) low-latency path: build, the multi-process NVSHMEM tests first, the
 # whole GPU suite, compute-sanitizer on simulated nodes, then (STEPS=bench) the EP-size benchmark of both paths.
 # Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench (default build,mp,suite,sanitize).
+#   SAN_TOOLS="memcheck"  sanitizer tools at n=N (default memcheck racecheck, plus memcheck at n=1 all-remote)
 #   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
 #   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128)
 set -u
@@ -17,20 +18,20 @@ has() { [[ "$STEPS" == *",$1,"* ]]; }
 nvidia-smi -L >> "$S" 2>&1
 has build && run build 240 python3 -m pip install --no-build-isolation --no-deps -e . -v
 has mp && run mp_nvshmem 240 python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_multiprocess_cuda.py \
-  -k "nvshmem or two_launchers"
+  -k "nvshmem or two_launchers or across"
 # the suite one file per process: a kernel that traps poisons its CUDA context, which would fail every later test
 if has suite; then
   for f in tests/test_native_build.py tests/gpu/test_*.py; do
-    [ "$f" = tests/gpu/test_multiprocess_cuda.py ] && has mp && k=(-k "not (nvshmem or two_launchers)") || k=()
+    [ "$f" = tests/gpu/test_multiprocess_cuda.py ] && has mp && k=(-k "not (nvshmem or two_launchers or across)") || k=()
     run "suite_$(basename "$f" .py)" 200 python3 -m pytest -p no:cacheprovider -q -rs "$f" "${k[@]}"
   done
 fi
 if has sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     run "san_${tool}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool --report-api-errors no \
       --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_ll_small.py nvshmem
   done
-  run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
+  [ -n "${SAN_TOOLS:-}" ] || run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 1 --timeout 110 \
     tests/gpu/sanitize_ll_small.py nvshmem
 fi

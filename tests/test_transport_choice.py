@@ -47,3 +47,19 @@ def test_reference_configs_ignore_nvshmem_request(monkeypatch):
         assert rt.process_model == "single-process" and rt.transport == "xla-collectives", rt.summary()
     finally:
         jax_ep.finalize()
+
+
+def test_simulated_hosts_hook(monkeypatch):
+    """JAX_EP_TEST_RANKS_PER_HOST=k: ranks r, q are on one simulated host iff r // k == q // k (the GPU test of a
+    group across hosts relies on it); unset: every rank counts as mapped; a bad value names the variable."""
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    same = nvshmem_runtime._same_simulated_host
+    monkeypatch.delenv("JAX_EP_TEST_RANKS_PER_HOST", raising=False)
+    assert all(same(r, q) for r in range(4) for q in range(4))
+    monkeypatch.setenv("JAX_EP_TEST_RANKS_PER_HOST", "2")
+    assert [[same(r, q) for q in range(4)] for r in range(4)] == [[r // 2 == q // 2 for q in range(4)] for r in range(4)]
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("JAX_EP_TEST_RANKS_PER_HOST", bad)
+        with pytest.raises(jax_ep.EPError, match="JAX_EP_TEST_RANKS_PER_HOST"):
+            same(0, 1)

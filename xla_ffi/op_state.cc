@@ -99,6 +99,22 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->view = rg.view;
   out->binding = rg.binding;
   out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
+  // Every kernel but the NVSHMEM low-latency ones stores through peer pointers: a rank without one (another host)
+  // makes them impossible, which is said here rather than found as a fault.
+  if (mode_ != OpMode::kLowLatency || !c.rdma) {
+    std::string unmapped;
+    for (int q = 0; q < R; ++q)
+      if (rg.view.peers.base[q] == nullptr) unmapped += (unmapped.empty() ? "" : ", ") + std::to_string(q);
+    if (!unmapped.empty())
+      return ffi_util::Precondition(
+          target_, "ranks [" + unmapped + "] of the group of mesh axis '" + axis_ + "' have no load/store " +
+                       "mapping (another host). " +
+                       (mode_ == OpMode::kLowLatency
+                            ? std::string("Low-latency ops across hosts need the NVSHMEM kernels: set "
+                                          "EPConfig.num_max_nvl_peers to the GPUs per host")
+                            : std::string("Normal-mode ops across hosts (hierarchical, docs/INTERNODE.md) are not "
+                                          "built yet; low-latency ops work across hosts")));
+  }
   if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
 
   const AxisBinding& b = rg.binding;

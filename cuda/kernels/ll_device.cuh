@@ -116,6 +116,13 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
   __syncwarp();  // warp_scales is reused by the warp's next item
 }
 
+// off[0..R]: exclusive prefix offsets of an expert's packed rows per source rank, from its row of the handle's
+// layout_range (rows per source, clamped to [0, T_max] so a corrupted handle never indexes out of bounds).
+__device__ __forceinline__ void source_offsets(int32_t* off, const int32_t* layout_range_row, int R, int Tm) {
+  off[0] = 0;
+  for (int s = 0; s < R; ++s) off[s + 1] = off[s] + min(max(__ldg(layout_range_row + s), 0), Tm);
+}
+
 // Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
 __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
   int s = 0;

@@ -59,10 +59,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
   const int64_t half = half_offset(c.ll, epoch);
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
-  if (tid == 0) {
-    s_off[0] = 0;
-    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
-  }
+  if (tid == 0) source_offsets(s_off, p.layout_range + l * R, R, Tm);
   if (tid < R) wait_consumed(g, tid, epoch);
   __syncthreads();
   const int total = s_off[R];

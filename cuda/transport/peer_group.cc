@@ -211,10 +211,16 @@ Status register_external_group(int device_ordinal, int rank, const std::vector<u
     return Status::Error("a group needs 1.." + std::to_string(kMaxGroupRanks) + " ranks, got " + std::to_string(n));
   if (rank < 0 || rank >= n)
     return Status::Error("rank " + std::to_string(rank) + " out of range for a group of " + std::to_string(n));
-  for (int r = 0; r < n; ++r)
+  // A null base is a rank without a load/store mapping (another host): allowed for NVSHMEM groups (pes given),
+  // whose low-latency kernels reach such ranks by NVSHMEM puts; the handlers refuse the kernels that need a pointer
+  // (normal mode, the NVLink low-latency kernels) for such a group (OpState::validate).
+  for (int r = 0; r < n; ++r) {
+    if (peer_bases[r] == 0 && r != rank && !pes.empty()) continue;
     if (peer_bases[r] == 0 || peer_bases[r] % kAlign != 0)
       return Status::Error("peer_bases[" + std::to_string(r) + "] is null or not " + std::to_string(kAlign) +
-                           "-byte aligned (no load/store mapping of that peer's buffer: is it NVLink-reachable?)");
+                           "-byte aligned (no load/store mapping of that peer's buffer: is it NVLink-reachable? "
+                           "Only NVSHMEM groups, with pes, may leave other ranks null)");
+  }
   if (buffer_bytes < kSignalHeaderBytes)
     return Status::Error("buffer_bytes must be >= " + std::to_string(kSignalHeaderBytes));
   if (!pes.empty() && static_cast<int>(pes.size()) != n)
@@ -254,6 +260,9 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
   const int n = static_cast<int>(bases.size());
   std::vector<cudaStream_t> streams(n, nullptr);
   Status st;
+  // A group with ranks out of load/store reach (null bases: other hosts) has no device barrier over pointers;
+  // its processes met in NVSHMEM's barrier after the allocation (nvshmem/host.cc, malloc_zeroed).
+  const bool all_mapped = std::find(bases.begin(), bases.end(), nullptr) == bases.end();
   // Launch on every local device of the group first, then wait: in-process ranks wait for each other.
   for (int r = 0; r < n && st.ok(); ++r) {
     if (info.device_ordinals[r] < 0) continue;
@@ -261,9 +270,10 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
     if (st.ok()) st = routing::preload_kernels();
     if (st.ok()) st = normal::preload_kernels();
     if (st.ok()) st = ll::preload_kernels();
-    if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking),
-                                 "cudaStreamCreateWithFlags", __FILE__, __LINE__);
-    if (st.ok()) {
+    if (st.ok() && all_mapped)
+      st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                      __FILE__, __LINE__);
+    if (st.ok() && all_mapped) {
       GroupCtx ctx{};
       for (int q = 0; q < n; ++q) ctx.peers.base[q] = bases[q];
       ctx.rank = r;

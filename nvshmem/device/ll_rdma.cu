@@ -96,12 +96,24 @@ __device__ __forceinline__ void add_to_word(uint64_t* word_sym, uint64_t value, 
     nvshmemx_signal_op(word_sym, value, NVSHMEM_SIGNAL_ADD, pe);
 }
 
+// Test hook JAX_EP_TEST_COUNT_REMOTE_BYTES=1 (set_remote_byte_counting): bytes of rows this device put to remote
+// peers (signals not included), so a test can check the traffic that crosses the node boundary.
+__device__ uint32_t g_count_remote_bytes;
+__device__ unsigned long long g_remote_bytes;
+
+// A counted message to a remote peer, from a warp: NVSHMEM put-with-signal (+1 on `word_sym` after the bytes).
+// `src` must be symmetric memory (a send slot).
+__device__ __forceinline__ void put_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe) {
+  nvshmemx_putmem_signal_nbi_warp(dst_sym, src, bytes, word_sym, 1, NVSHMEM_SIGNAL_ADD, pe);
+  if (g_count_remote_bytes && lane_id() == 0) atomicAdd(&g_remote_bytes, static_cast<unsigned long long>(bytes));
+}
+
 // One counted message from a warp: `bytes` (a multiple of 4) from `src` (global memory this kernel may have
 // written: plain loads) to `dst_sym` at `pe`, then +1 on `word_sym` there, after the bytes.
 __device__ __forceinline__ void send_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe,
                                              bool direct) {
   if (!direct) {
-    nvshmemx_putmem_signal_nbi_warp(dst_sym, src, bytes, word_sym, 1, NVSHMEM_SIGNAL_ADD, pe);
+    put_counted(dst_sym, src, bytes, word_sym, pe);
     return;
   }
   copy_segment_from_shared(static_cast<char*>(nvshmem_ptr(dst_sym, pe)), src, bytes);
@@ -287,10 +299,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   const int32_t* src = p.src_info + static_cast<int64_t>(l) * rows_per_expert;
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
   __shared__ int32_t s_direct[kMaxGroupRanks];
-  if (tid == 0) {
-    s_off[0] = 0;
-    for (int s = 0; s < R; ++s) s_off[s + 1] = s_off[s] + min(max(__ldg(p.layout_range + l * R + s), 0), Tm);
-  }
+  if (tid == 0) source_offsets(s_off, p.layout_range + l * R, R, Tm);
   if (tid < R) {
     s_direct[tid] = is_direct(c, tid);
     wait_consumed_rdma(c, tid, epoch);
@@ -329,7 +338,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     copy_segment_nc(staged, from, bytes);
     __threadfence();
     __syncwarp();  // the staged segment is complete before the warp's put reads it
-    nvshmemx_putmem_signal_nbi_warp(dst, staged, bytes, signal, 1, NVSHMEM_SIGNAL_ADD, g.pe[s]);
+    put_counted(dst, staged, bytes, signal, g.pe[s]);
   }
 }
 
@@ -407,10 +416,26 @@ const char* combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
 }  // namespace
 
 Status preload_kernels() {
-  return preload({reinterpret_cast<const void*>(rdma_dispatch_send_kernel),
-                  reinterpret_cast<const void*>(rdma_dispatch_recv_kernel),
-                  reinterpret_cast<const void*>(rdma_combine_send_kernel),
-                  reinterpret_cast<const void*>(rdma_combine_recv_kernel)});
+  JAX_EP_RETURN_IF_ERROR(preload({reinterpret_cast<const void*>(rdma_dispatch_send_kernel),
+                                  reinterpret_cast<const void*>(rdma_dispatch_recv_kernel),
+                                  reinterpret_cast<const void*>(rdma_combine_send_kernel),
+                                  reinterpret_cast<const void*>(rdma_combine_recv_kernel)}));
+  const char* v = std::getenv("JAX_EP_TEST_COUNT_REMOTE_BYTES");
+  const uint32_t on = v != nullptr && std::string(v) == "1" ? 1u : 0u;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_count_remote_bytes, &on, sizeof(on)));
+  return Status::Ok();
+}
+
+Status remote_put_bytes(bool reset, uint64_t* out) {
+  unsigned long long bytes = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(&bytes, g_remote_bytes, sizeof(bytes)));
+  if (reset) {
+    const unsigned long long zero = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_remote_bytes, &zero, sizeof(zero)));
+  }
+  *out = bytes;
+  return Status::Ok();
 }
 
 namespace {

@@ -10,7 +10,12 @@ namespace jax_ep::rdma {
 const LowLatencyRdmaOps* low_latency_ops();
 
 // Loads the four kernels into the current device's context (CUDA lazy loading would otherwise load each at its
-// first launch, ~ms, inside the first real call; cuda/common/preload.cuh).
+// first launch, ~ms, inside the first real call; cuda/common/preload.cuh), and arms the byte counter below when
+// JAX_EP_TEST_COUNT_REMOTE_BYTES=1.
 Status preload_kernels();
+
+// Test hook: bytes of rows the current device put to remote peers since the last reset (0 unless counting is
+// armed); synchronizes the device first.
+Status remote_put_bytes(bool reset, uint64_t* out);
 
 }  // namespace jax_ep::rdma

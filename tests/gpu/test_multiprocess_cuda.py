@@ -148,6 +148,25 @@ def test_low_latency_over_nvshmem_puts_matches_reference(n, flags):
         assert "rdma=[1]" in line, line
 
 
+def test_low_latency_group_across_simulated_hosts():
+    """Two processes that NVSHMEM may not map to each other (JAX_EP_TEST_RANKS_PER_HOST=1: no load/store pointer
+    between ranks of different simulated hosts, as across real hosts): initialize reports the unmapped rank, 100
+    low-latency steps with new routing match the reference backend through NVSHMEM puts alone, the bytes put across
+    the boundary (a device counter) are one message per (token, expert on the other host), and normal mode on that
+    axis is refused with an error naming the ranks (tests/gpu/multiprocess/ll_across_hosts.py)."""
+    _require(2)
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    if not nvshmem_runtime.module().has_device_library():
+        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
+    script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
+    out = _run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--timeout", "200", script, "--nvl", "1"],
+               env={"JAX_EP_TEST_RANKS_PER_HOST": "1", "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
+    for tag in ("unmapped", "low_latency", "remote_bytes", "normal_refused", "done"):
+        assert sorted(_lines(out, tag)) == [0, 1], f"{tag} missing from some rank\n{out}"
+    assert _lines(out, "unmapped") == {0: "ranks=[1]", 1: "ranks=[0]"}, out
+
+
 def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):
     """Issue 14, item 5 on GPUs: two launcher invocations on one host (as on two hosts: --num-hosts 2
     --host-index i --coordinator), each -n 1 with its own CUDA_VISIBLE_DEVICES, form one EP2 job; ep_cuda.py then

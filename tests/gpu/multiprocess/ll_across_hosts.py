@@ -1,0 +1,154 @@
+"""GPU child program for tests/gpu/test_multiprocess_cuda.py: an EP group that spans simulated hosts.
+
+Run as `JAX_EP_TEST_RANKS_PER_HOST=k python -m jax_ep.launch -n N ll_across_hosts.py --nvl k`: ranks r, q with
+r // k != q // k get no load/store pointer to each other's buffers (runtime/nvshmem.py), as across real hosts, so
+the group can only work through NVSHMEM puts. Checks, on every process:
+  - initialize succeeds and reports the unmapped ranks (transport summary "unmapped");
+  - --steps low-latency steps in one jitted scan, new routing every step (-1s included): fp8 and bf16 dispatch
+    bit-identical to backend="reference" (valid rows), recv counts equal, combine within bf16 tolerance;
+  - with JAX_EP_TEST_COUNT_REMOTE_BYTES=1: the bytes this rank put across the host boundary are exactly one
+    dispatch message per (own token, expert on another host) and one combine row per (token from another host,
+    own expert), from a device counter in the NVSHMEM kernels;
+  - a normal-mode dispatch on the same axis fails with an error that names the unmapped ranks and says normal mode
+    across hosts is not built (no hang, no fault), and the low-latency program still runs afterwards.
+Prints `RESULT <what> ...` lines; any failed check raises (non-zero exit).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--nvl", type=int, default=1, help="EPConfig.num_max_nvl_peers (= JAX_EP_TEST_RANKS_PER_HOST)")
+ap.add_argument("--steps", type=int, default=100)
+ap.add_argument("--tokens", type=int, default=32)
+ap.add_argument("--hidden", type=int, default=1024)
+a = ap.parse_args()
+
+from jax_ep.launch import init_from_env  # noqa: E402
+
+pid, nproc = init_from_env()
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+
+
+def result(what, **kv):
+    print(f"RESULT {what} process={pid} " + " ".join(f"{k}={v}" for k, v in kv.items()), flush=True)
+
+
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+R = len(devices)
+mesh = Mesh(np.array(devices), ("ep",))
+E, K, T, H, S = 4 * R, 4, a.tokens, a.hidden, a.steps
+cfgs = {b: jax_ep.EPConfig(E, H, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0)
+        for b in ("cuda", "reference")}
+rt = jax_ep.initialize(mesh, *cfgs.values())
+me = jax.process_index()
+unmapped = rt.transport_state.summary()["unmapped"]["ep"]
+want = [q for q in range(R) if q // a.nvl != me // a.nvl]
+assert unmapped == want, (unmapped, want)
+assert cfgs["cuda"].low_latency_over_nvshmem(R), "the group spans hosts: the NVSHMEM kernels must run"
+result("unmapped", ranks=unmapped)
+
+# ---- inputs: [S steps] x (R ranks x T tokens); value-encoded rows, new routing every step ----
+rng = np.random.default_rng(7)
+x = rng.normal(size=(S, R * T, H)).astype(np.float32)
+x[:, :, 0] = np.arange(R * T)[None, :] + 1  # global token id
+x[:, :, 1] = np.arange(S)[:, None] + 1      # step
+scores = np.abs(rng.normal(size=(S, R * T, E))) + 1
+idx = np.argsort(-scores, axis=-1)[..., :K].astype(np.int32)
+idx[rng.random(idx.shape) < 0.1] = -1
+w = rng.random(size=idx.shape).astype(np.float32)
+spec = P(None, "ep")
+
+
+def put(v, dtype=None, spec=spec):
+    v = np.asarray(v) if dtype is None else np.asarray(v).astype(dtype)
+    return jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda index: v[index])
+
+
+args = (put(x, jnp.bfloat16), put(idx), put(w))
+
+
+def program(cfg):
+    def step(_, xs):
+        x, idx, w = xs
+        o8 = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True)
+        o16 = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+        ok = (jnp.arange(o16.recv_x.shape[1])[None, :] < o16.recv_count[:, None])[..., None]
+        rows = jnp.where(ok, o16.recv_x, jnp.zeros((), o16.recv_x.dtype))
+        y = jax_ep.low_latency_combine(rows, idx, w, o16.handle, cfg)
+        ok8 = (jnp.arange(o8.recv_x.shape[1])[None, :] < o8.recv_count[:, None])[..., None]
+        return None, dict(rows=rows, count=o16.recv_count[None], count8=o8.recv_count[None],
+                          fp8=jnp.where(ok8, o8.recv_x.astype(jnp.float32), 0.0)[None], y=y)
+
+    def body(x, idx, w):
+        return jax.lax.scan(step, None, (x, idx, w))[1]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(None, "ep")))
+
+
+def host(res):
+    return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(res, tiled=True).items()}
+
+
+from jax_ep.runtime import nvshmem as nvshmem_runtime  # noqa: E402
+
+counting = os.environ.get("JAX_EP_TEST_COUNT_REMOTE_BYTES") == "1"
+nvshmem_runtime.module().test_remote_put_bytes(reset=True)
+got = host(program(cfgs["cuda"])(*args))
+put_bytes = nvshmem_runtime.module().test_remote_put_bytes(reset=True)
+ref = host(program(cfgs["reference"])(*args))
+for k in ("rows", "count", "count8"):
+    np.testing.assert_array_equal(got[k].view(np.uint16) if got[k].dtype == jnp.bfloat16 else got[k],
+                                  ref[k].view(np.uint16) if ref[k].dtype == jnp.bfloat16 else ref[k],
+                                  err_msg=f"{k}: cuda != reference across simulated hosts")
+# fp8 quantized in the kernel: within one e4m3 step of XLA's conversion, compared as dequantized-free codes
+np.testing.assert_allclose(got["fp8"], ref["fp8"], rtol=2 ** -3, atol=2 ** -9)
+err = np.max(np.abs(got["y"].astype(np.float64) - ref["y"].astype(np.float64)))
+assert err <= 2 ** -7 * max(1.0, np.max(np.abs(ref["y"].astype(np.float64)))), err
+assert int(got["count"].sum()) > 0
+result("low_latency", steps=S, rows=int(got["count"].sum()), y_err=f"{err:.3g}")
+
+# ---- the traffic that crossed the (simulated) host boundary: one message per (token, expert on another host) --
+# Each dispatch message is a 16-byte header (kLowLatencyMsgHeader, cuda/include/jax_ep/constants.h) + the payload
+# (fp8: H codes + one f32 scale per 128 channels; bf16: 2H); the combine sends one bf16 row per (token of a rank on
+# another host, expert of this rank) back. Nothing to a rank of this host and no signal words are counted.
+if counting:
+    L = E // R
+    host_of = np.arange(R) // a.nvl
+    mine = slice(me * T, (me + 1) * T)
+    owner = np.where(idx >= 0, idx // L, -1)                      # [S, R*T, K] owner rank of each (token, expert)
+    token_rank = np.repeat(np.arange(R), T)                       # [R*T] rank of each token
+    out_pairs = int(((owner[:, mine] >= 0) & (host_of[np.maximum(owner[:, mine], 0)] != host_of[me])).sum())
+    back_pairs = int(((owner == me) & (host_of[token_rank] != host_of[me])[None, :, None]).sum())
+    want_bytes = out_pairs * ((16 + H + 4 * (H // 128)) + (16 + 2 * H)) + back_pairs * 2 * H
+    assert put_bytes == want_bytes, (put_bytes, want_bytes, out_pairs, back_pairs)
+    assert out_pairs > 0 and back_pairs > 0
+    result("remote_bytes", bytes=put_bytes, dispatch_pairs=out_pairs, combine_rows=back_pairs)
+
+# ---- normal mode on the same axis: a clear error naming the ranks, then the LL program runs again ----
+try:
+    nx, nidx, nw = put(x[0], jnp.bfloat16, P("ep")), put(idx[0], spec=P("ep")), put(w[0], spec=P("ep"))
+    normal = jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfgs["cuda"]).recv_x, mesh=mesh,
+                                   in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+    jax.block_until_ready(normal(nx, nidx, nw))
+except Exception as e:  # noqa: BLE001 - XLA reports the handler's error as a runtime error
+    msg = str(e)
+    assert "no load/store mapping" in msg and "Normal-mode ops across hosts" in msg, msg[:2000]
+    result("normal_refused", error=msg.splitlines()[0][:200].replace(" ", "_"))
+else:
+    raise AssertionError("normal-mode dispatch ran on a group without load/store mappings")
+again = host(program(cfgs["cuda"])(*args))
+np.testing.assert_array_equal(again["count"], got["count"])
+result("done", ok=True)
