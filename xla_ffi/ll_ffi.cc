@@ -63,41 +63,31 @@ ffi::Error LaunchOn(const char* target, int32_t ordinal, Launch&& launch) {
 }
 
 // ---- which kernels: the NVLink kernels of this module, or the NVSHMEM ones of jax_ep._jax_ep_nvshmem ----------
-// (OpConfig::rdma, EPConfig.allow_nvlink_for_low_latency=False; jax_ep/rdma_ops.h). One overload per kernel.
-Status RdmaStatus(const char* error) { return error == nullptr ? Status::Ok() : Status::Error(error); }
-
-const LowLatencyRdmaOps* RdmaOps(Status* missing) {
+// (OpConfig::rdma: EPConfig.low_latency_over_nvshmem(R); jax_ep/rdma_ops.h). One launcher per kernel, both ways.
+template <typename Params>
+Status LaunchEither(const OpState& st, const Params& p, cudaStream_t s, Status (*nvlink)(const Params&, cudaStream_t),
+                    const char* (*const LowLatencyRdmaOps::*rdma)(const Params&, cudaStream_t)) {
+  if (!st.config().rdma) return nvlink(p, s);
   const LowLatencyRdmaOps* ops = low_latency_rdma_ops();
   if (ops == nullptr)
-    *missing = Status::Error("allow_nvlink_for_low_latency=False needs the NVSHMEM low-latency kernels of "
-                             "jax_ep._jax_ep_nvshmem (installed by jax_ep.initialize with one process per GPU and "
-                             "a module built with NVSHMEM's device library)");
-  return ops;
+    return Status::Error("the NVSHMEM low-latency kernels (allow_nvlink_for_low_latency=False or R > "
+                         "num_max_nvl_peers) are those of jax_ep._jax_ep_nvshmem, installed by jax_ep.initialize "
+                         "with one process per GPU and a module built with NVSHMEM's device library");
+  const char* error = (ops->*rdma)(p, s);
+  return error == nullptr ? Status::Ok() : Status::Error(error);
 }
 
 Status Launch(const OpState& st, const ll::DispatchSendParams& p, cudaStream_t s) {
-  if (!st.config().rdma) return ll::launch_dispatch_send(p, s);
-  Status missing;
-  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
-  return ops ? RdmaStatus(ops->dispatch_send(p, s)) : missing;
+  return LaunchEither(st, p, s, &ll::launch_dispatch_send, &LowLatencyRdmaOps::dispatch_send);
 }
 Status Launch(const OpState& st, const ll::DispatchRecvParams& p, cudaStream_t s) {
-  if (!st.config().rdma) return ll::launch_dispatch_recv(p, s);
-  Status missing;
-  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
-  return ops ? RdmaStatus(ops->dispatch_recv(p, s)) : missing;
+  return LaunchEither(st, p, s, &ll::launch_dispatch_recv, &LowLatencyRdmaOps::dispatch_recv);
 }
 Status Launch(const OpState& st, const ll::CombineSendParams& p, cudaStream_t s) {
-  if (!st.config().rdma) return ll::launch_combine_send(p, s);
-  Status missing;
-  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
-  return ops ? RdmaStatus(ops->combine_send(p, s)) : missing;
+  return LaunchEither(st, p, s, &ll::launch_combine_send, &LowLatencyRdmaOps::combine_send);
 }
 Status Launch(const OpState& st, const ll::CombineRecvParams& p, cudaStream_t s) {
-  if (!st.config().rdma) return ll::launch_combine_recv(p, s);
-  Status missing;
-  const LowLatencyRdmaOps* ops = RdmaOps(&missing);
-  return ops ? RdmaStatus(ops->combine_recv(p, s)) : missing;
+  return LaunchEither(st, p, s, &ll::launch_combine_recv, &LowLatencyRdmaOps::combine_recv);
 }
 // A fused op: its send kernel, then its receive kernel, on one stream.
 template <typename Send, typename Recv>

@@ -19,6 +19,15 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& v, float f[8]) {
   }
 }
 
+// acc[i] = fmaf(w, bf16 value i of v, acc[i]) for the eight values of one 16-byte vector: the weighted sum of the
+// low-latency combines (one fused multiply-add per term, in the caller's term order: docs/SPEC.md).
+__device__ __forceinline__ void fma_bf16x8(float acc[8], float w, const int4& v) {
+  float f[8];
+  unpack_bf16x8(v, f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+}
+
 // Eight floats as one 16-byte vector of bf16 (round to nearest even).
 __device__ __forceinline__ int4 pack_bf16x8(const float f[8]) {
   int4 v;

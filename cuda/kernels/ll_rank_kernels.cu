@@ -200,13 +200,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int k = 0; k < K; ++k) {
           if (s_row[k] < 0) continue;
-          const int4 v = ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const char*>(p.expert_out) +
-                                                                 s_row[k] * 2 * H) + ci);
-          float f[8];
-          unpack_bf16x8(v, f);
-          const float w = s_w[k];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+          fma_bf16x8(acc, s_w[k], ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const char*>(p.expert_out) +
+                                                                      s_row[k] * 2 * H) + ci));
         }
         const int4 o = pack_bf16x8(acc);
         st_v4(reinterpret_cast<int4*>(dst) + ci, o);

@@ -117,13 +117,8 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, ui
     for (int k = 0; k < K; ++k) {
       const int e = s_expert[k];
       if (e < 0) continue;
-      const int4 v = ld_cg_v4(
-          reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(e) * Tm + t) * 2 * H) + ci);
-      float f[8];
-      unpack_bf16x8(v, f);
-      const float w = s_weight[k];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+      fma_bf16x8(acc, s_weight[k],
+                 ld_cg_v4(reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(e) * Tm + t) * 2 * H) + ci));
     }
     const int4 o = pack_bf16x8(acc);
     reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
