@@ -15,12 +15,10 @@ Prints `RESULT <what> ...` lines; any failed check raises (non-zero exit).
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+from _child import prepare, reporter
+
+prepare()
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--nvl", type=int, default=1, help="EPConfig.num_max_nvl_peers (= JAX_EP_TEST_RANKS_PER_HOST)")
@@ -42,8 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 
-def result(what, **kv):
-    print(f"RESULT {what} process={pid} " + " ".join(f"{k}={v}" for k, v in kv.items()), flush=True)
+result = reporter(pid)
 
 
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
