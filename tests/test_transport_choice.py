@@ -63,3 +63,20 @@ def test_simulated_hosts_hook(monkeypatch):
         monkeypatch.setenv("JAX_EP_TEST_RANKS_PER_HOST", bad)
         with pytest.raises(jax_ep.EPError, match="JAX_EP_TEST_RANKS_PER_HOST"):
             same(0, 1)
+
+
+def test_unmapped_ranks_inside_an_nvlink_domain_are_an_initialize_error():
+    """Ranks NVSHMEM cannot map (other hosts) are fine for the NVSHMEM low-latency kernels when they lie outside the
+    rank's NVLink domain, and an EPError naming them and num_max_nvl_peers otherwise (the kernels would store to
+    them); axes without low-latency buffers are not checked here (their normal ops are refused when they run)."""
+    from jax_ep.runtime.nvshmem import check_unmapped
+
+    check_unmapped("ep", 0, [], 0)                     # everything mapped
+    check_unmapped("ep", 0, [4, 5, 6, 7], None)        # no low-latency buffers on the axis
+    check_unmapped("ep", 1, [4, 5, 6, 7], 4)           # 2 hosts of 4 GPUs, num_max_nvl_peers=4
+    check_unmapped("ep", 5, [0, 1, 2, 3], 4)
+    check_unmapped("ep", 0, [1], 1)                    # allow_nvlink_for_low_latency=False: only itself direct
+    with pytest.raises(jax_ep.EPError, match=r"ranks \[4, 5, 6, 7\].*'ep'.*NVLink kernels.*num_max_nvl_peers"):
+        check_unmapped("ep", 0, [4, 5, 6, 7], 0)       # 2 hosts of 4 with the default num_max_nvl_peers=8
+    with pytest.raises(jax_ep.EPError, match=r"ranks \[2, 3\].*rank 0's NVLink domain.*num_max_nvl_peers=4"):
+        check_unmapped("ep", 0, [2, 3, 4, 5, 6, 7], 4)  # hosts of 2 GPUs, num_max_nvl_peers=4

@@ -151,11 +151,15 @@ class NvshmemTransport:
             nvl.setdefault(c.axis_name, set()).add(c.num_max_nvl_peers)
         plan = teams_mod.plan_teams({a: pes_by_axis[a] for a in axes}, nvl)
         teams_mod.check_team_budget(plan)
+        # per axis with low-latency buffers: the NVLink domain of the NVSHMEM LL kernels, 0 for the NVLink kernels
+        # (every rank needs a pointer); the configs of one axis agree (lifecycle._check_low_latency_transport)
+        ll_domains = {c.axis_name: (c.low_latency_nvl_domain()
+                                    if c.low_latency_over_nvshmem(len(pes_by_axis[c.axis_name][0])) else 0)
+                      for c in cuda_configs if c.uses_low_latency_buffers()}
         return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
                      device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
                      timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
-                     needs_device_library=any(c.uses_low_latency_buffers() and c.low_latency_over_nvshmem(
-                         len(pes_by_axis[c.axis_name][0])) for c in cuda_configs))
+                     needs_device_library=any(ll_domains.values()), ll_domains=ll_domains)
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -209,11 +213,12 @@ def prepare(required_heap_bytes: int) -> dict:
 
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
           process_id: int, num_processes: int, timeout_s: float, timings: dict,
-          needs_device_library: bool = False) -> NvshmemTransport:
+          needs_device_library: bool = False, ll_domains: dict | None = None) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
-    axes: the mesh axes with CUDA configs, in the order buffers are allocated.
+    axes: the mesh axes with CUDA configs, in the order buffers are allocated; ll_domains: axis -> NVLink domain of
+    its low-latency kernels (check_unmapped).
     """
     m = module()
     t = time.perf_counter()
@@ -280,6 +285,7 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             peers = [m.ptr(buffers[axis], pe) if _same_simulated_host(pes.index(process_id), r) else 0
                      for r, pe in enumerate(pes)]
             unmapped[axis] = [r for r, p in enumerate(peers) if not p]
+            check_unmapped(axis, pes.index(process_id), unmapped[axis], (ll_domains or {}).get(axis))
             if unmapped[axis]:
                 # another host: the NVSHMEM low-latency kernels reach it by puts; the pointer kernels refuse (the
                 # handlers name the ranks); initialize says so once here
@@ -309,6 +315,25 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                      buffers=buffers, native_ids=native_ids, buffer_bytes=buffer_bytes,
                      heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation,
                      device_check=device, unmapped=unmapped)
+
+
+def check_unmapped(axis: str, rank: int, unmapped: list, ll_domain: int | None) -> None:
+    """EPError when the low-latency kernels of `axis` would need a pointer NVSHMEM cannot give: ll_domain 0 (the
+    NVLink kernels: every rank of the group) or a rank of `rank`'s NVLink domain (ranks q with q // ll_domain ==
+    rank // ll_domain are reached by stores). None: the axis has no low-latency buffers (normal-mode ops on such a
+    group are refused when they run, naming the ranks)."""
+    if not unmapped or ll_domain is None:
+        return
+    fix = "set EPConfig.num_max_nvl_peers to the GPUs per host (the ranks NVSHMEM maps to each other)"
+    if ll_domain == 0:
+        raise EPError(f"jax_ep.initialize: ranks {unmapped} of the EP group on axis {axis!r} have no load/store "
+                      f"mapping from rank {rank} (other hosts), but its low-latency configs would run the NVLink "
+                      f"kernels (R <= num_max_nvl_peers): {fix}")
+    inside = [q for q in unmapped if q // ll_domain == rank // ll_domain]
+    if inside:
+        raise EPError(f"jax_ep.initialize: ranks {inside} of the EP group on axis {axis!r} share rank {rank}'s "
+                      f"NVLink domain (num_max_nvl_peers={ll_domain}) but NVSHMEM gives no load/store mapping to "
+                      f"them (other hosts?): {fix}")
 
 
 def _same_simulated_host(rank: int, other: int) -> bool:
