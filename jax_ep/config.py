@@ -69,7 +69,7 @@ class EPConfig:
         only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
         uniform routing (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below).
         Default "per_expert" (DeepEP's layout, validated across GPUs);
-        per_rank's CUDA kernels have run on one GPU only so far (docs/BENCHMARKS.md).
+        per_rank's CUDA kernels pass the GPU suite at R=1 and 2 but are not timed across GPUs yet (docs/API.md).
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
