@@ -217,8 +217,9 @@ void def_bindings(nb::module_& m) {
         if (!st.ok()) throw nb::value_error(st.message().c_str());
       },
       nb::arg("axis"), nb::arg("set_id"), nb::arg("ll_offset"), nb::arg("ll_bytes"),
-      "From now on a handler whose `axis` attribute is `axis` uses the group of set `set_id` that holds its device, "
-      "and the low-latency region (ll_offset, ll_bytes) of that group's staging. Rebinding replaces. No CUDA call.");
+      "From now on a call site whose `axis` attribute is `axis` and that has not run yet uses the group of set "
+      "`set_id` that holds its device, and the low-latency region (ll_offset, ll_bytes) of that group's staging "
+      "(call sites that ran keep their group while it exists). Rebinding replaces. No CUDA call.");
   m.def(
       "unbind_axis", [](const std::string& axis) { jax_ep::unbind_axis(axis); }, nb::arg("axis"),
       "Removes the binding of `axis` (no error if unbound).");

@@ -95,7 +95,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   if (R < 1 || c.num_experts % R != 0)
     return ffi_util::Invalid(target_, "num_experts (" + std::to_string(c.num_experts) +
                                           ") must be a multiple of the group size (" + std::to_string(R) + ")");
-  out->generation = rg.destroyed;
+  out->alive = rg.alive;
   out->view = rg.view;
   out->binding = rg.binding;
   out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
@@ -145,7 +145,14 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->ll.hidden = c.hidden;
   out->ll.max_tokens = c.max_tokens_per_rank;
   out->ll.sm_count = rg.view.sm_count;
-  out->ll.remote_ranks = c.rdma ? ll::remote_ranks(rg.view.rank, R, c.nvl_domain) : 0u;
+  // Remote: other NVLink domains, and any rank the group has no pointer for (initialize refuses those inside the
+  // domain; this keeps the kernels and the registry on one answer whatever nvshmem_ptr says on the device).
+  out->ll.remote_ranks = 0u;
+  if (c.rdma) {
+    out->ll.remote_ranks = ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+    for (int q = 0; q < R; ++q)
+      if (rg.view.peers.base[q] == nullptr) out->ll.remote_ranks |= 1u << q;
+  }
   return ffi::Error::Success();
 }
 
@@ -153,9 +160,9 @@ ffi::Error OpState::resolve(int32_t ordinal, const Resolved** out) {
   if (ordinal < 0 || ordinal >= kMaxDevices)
     return ffi_util::Invalid(target_, "device ordinal " + std::to_string(ordinal) + " out of range [0, " +
                                           std::to_string(kMaxDevices) + ")");
-  const uint64_t gen = groups_destroyed();
   std::atomic<const Resolved*>& slot = cache_[ordinal];
-  if (const Resolved* hit = slot.load(std::memory_order_acquire); hit != nullptr && hit->generation == gen) {
+  if (const Resolved* hit = slot.load(std::memory_order_acquire);
+      hit != nullptr && hit->alive->load(std::memory_order_acquire)) {
     *out = hit;
     return ffi::Error::Success();
   }

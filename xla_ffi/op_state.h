@@ -3,10 +3,11 @@
 //   instantiate  (once per call site per executable, at compile / deserialize time, no device): decodes the struct
 //                attributes, validates what does not depend on the group, and keeps the config + the axis name.
 //   execute      (every call, one host thread per device): resolve() turns (axis, DeviceOrdinal) into the group view
-//                and the low-latency context, cached per device ordinal and keyed by the process-wide count of
-//                destroyed groups (groups_destroyed()): a hit is two atomic loads and a compare (no lock, no map
-//                walk); a miss re-resolves under the registry's shared lock (the first call, or after a finalize).
-// INVARIANT (pinning): a call site keeps the group it first resolved for as long as no group has been destroyed.
+//                and the low-latency context, cached per device ordinal while the group it names is alive: a hit
+//                is two atomic loads (no lock, no map walk); a miss re-resolves under the registry's shared lock
+//                (the first call, or after a finalize).
+// INVARIANT (pinning): a call site keeps the group it first resolved for as long as that group exists (a group
+// destroyed elsewhere, e.g. by a failed initialize cleaning up groups it never bound, changes nothing here).
 // A later initialize with more configs binds the axis to new groups and retires the old ones (alive until
 // finalize); a program that ran before keeps the old buffers on EVERY device, whether XLA replays it from a
 // CUDA graph (handlers not called: the graph holds the old pointers) or calls the handlers (they must agree with
@@ -47,7 +48,7 @@ struct OpConfig {
 
 // One device's resolution of a call site (immutable once published).
 struct Resolved {
-  uint64_t generation = 0;        // groups_destroyed() when it was resolved: valid while that is current
+  std::shared_ptr<const std::atomic<bool>> alive;  // its group's liveness (ResolvedGroup::alive)
   GroupDeviceView view;
   AxisBinding binding;
   int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, ll_offset) when an LL region is bound

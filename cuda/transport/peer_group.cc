@@ -23,6 +23,9 @@ namespace {
 struct Group {
   GroupInfo info;
   std::vector<char*> buffers;
+  // Cleared (under the exclusive lock) by destroy_group before the buffers go; handlers keep a resolution of this
+  // group exactly while it is set (xla_ffi/op_state.h, "pinning").
+  std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
 };
 
 // One lock guards the groups, the bindings and the generation bumps; handlers take it shared, and only on a miss
@@ -45,9 +48,6 @@ int64_t next_id = 1;
 // valid while the generation it was made under is current; the counter starts at 1 so 0 means "nothing cached".
 std::atomic<uint64_t> generation{1};
 void bump_generation() { generation.fetch_add(1, std::memory_order_acq_rel); }
-// NOTE: bumped (under the exclusive lock) by destroy_group only, before its buffers are freed: the key of the
-// handlers' pinned resolutions (op_state.h).
-std::atomic<uint64_t> destroyed{1};
 
 // Restores the calling thread's current device on scope exit (group setup switches devices).
 class DeviceRestorer {
@@ -197,7 +197,7 @@ Status destroy_group(int64_t id) {
     g = std::move(it->second);
     registry().erase(it);
     bump_generation();
-    destroyed.fetch_add(1, std::memory_order_acq_rel);  // no handler may use a cached view of this group any more
+    g->alive->store(false, std::memory_order_release);  // no handler may use a cached view of this group any more
   }
   if (!g->info.owns_buffers) return Status::Ok();
   DeviceRestorer restore;
@@ -333,7 +333,6 @@ std::map<std::string, AxisBinding> bound_axes() {
 }
 
 uint64_t binding_generation() { return generation.load(std::memory_order_acquire); }
-uint64_t groups_destroyed() { return destroyed.load(std::memory_order_acquire); }
 
 Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* out) {
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
@@ -357,7 +356,7 @@ Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* 
       out->view = v;
       out->binding = b->second;
       out->generation = gen;
-      out->destroyed = destroyed.load(std::memory_order_acquire);
+      out->alive = g->alive;
       return Status::Ok();
     }
   }

@@ -371,15 +371,21 @@ const char* launch_error(const char* what) {
   return message.c_str();
 }
 
-// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once: a copy of the params with every rank remote.
-template <typename Params>
-Params with_test_hook(const Params& p) {
-  static const bool all_remote = [] {
+// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once per process for all four kernels: a
+// consumed word is written by both receive kernels, so they must never disagree on its mechanism.
+bool all_peers_remote() {
+  static const bool value = [] {
     const char* v = std::getenv("JAX_EP_TEST_ALL_PEERS_REMOTE");
     return v != nullptr && std::string(v) == "1";
   }();
+  return value;
+}
+
+// The params with every rank remote under the test hook.
+template <typename Params>
+Params with_test_hook(const Params& p) {
   Params q = p;
-  if (all_remote) q.c.remote_ranks = ~0u;
+  if (all_peers_remote()) q.c.remote_ranks = ~0u;
   return q;
 }
 

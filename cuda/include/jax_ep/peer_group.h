@@ -4,12 +4,14 @@
 //
 // Everything expensive happens in create_group (allocation, peer access, zeroing, one warm-up barrier). Handlers
 // resolve (mesh axis, device ordinal) -> group view through resolve_axis (a shared lock on two small maps, no CUDA
-// call) and cache the result per device, keyed by groups_destroyed() (an atomic load, no lock).
+// call) and cache the result per device while its group is alive (ResolvedGroup::alive: an atomic load, no lock).
 // Implemented in cuda/transport/peer_group.cc.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -64,7 +66,7 @@ Status group_info(int64_t id, GroupInfo* out);
 // ---- axis bindings ----------------------------------------------------------------------------------------------
 // A handler's `axis` attribute names a mesh axis; the binding of that axis says which group set serves it and where
 // the low-latency region lies in those groups' staging. Rebinding replaces (for call sites not yet resolved: those
-// that ran keep their group until a group is destroyed; xla_ffi/op_state.h, "pinning"). Every change of bindings or
+// that ran keep their group until it is destroyed; xla_ffi/op_state.h, "pinning"). Every change of bindings or
 // groups bumps the process-wide generation (never reused).
 // NOTE: no CUDA call here: binding works (and is testable) on machines without a GPU.
 struct AxisBinding {
@@ -77,16 +79,14 @@ Status bind_axis(const std::string& axis, const AxisBinding& binding);
 void unbind_axis(const std::string& axis);  // no error if unbound
 std::map<std::string, AxisBinding> bound_axes();
 uint64_t binding_generation();              // acquire load; never 0
-// Groups destroyed so far (+1; acquire load; never 0). Handlers pin a resolution while it is unchanged (a retired
-// group stays alive, so its buffers stay valid; xla_ffi/op_state.h, "pinning").
-uint64_t groups_destroyed();
 
 // What resolve_axis found for (axis, device ordinal), and the generation it was valid for.
 struct ResolvedGroup {
   GroupDeviceView view;
   AxisBinding binding;
   uint64_t generation = 0;
-  uint64_t destroyed = 0;  // groups_destroyed() under the same lock
+  // true until the group is destroyed (before its buffers are freed); a retired group stays alive until finalize
+  std::shared_ptr<const std::atomic<bool>> alive;
 };
 
 // Handler path (a shared lock, no CUDA call): the group of the set bound to `axis` that holds `device_ordinal`.
