@@ -192,6 +192,14 @@ class EPConfig:
         (num_ranks > num_max_nvl_peers). Otherwise the NVLink kernels (stores through peer pointers) run."""
         return not self.allow_nvlink_for_low_latency or num_ranks > self.num_max_nvl_peers
 
+    def normal_over_nvshmem(self, num_ranks: int) -> bool:
+        """Whether normal-mode ops (dispatch, cached dispatch, combine) of a group of `num_ranks` run the NVSHMEM
+        kernels (docs/INTERNODE.md): when the group spans more than one NVLink domain (num_ranks > num_max_nvl_peers).
+        Then ranks r and q with r // num_max_nvl_peers == q // num_max_nvl_peers keep the NVLink stores, every other
+        pair moves rows with NVSHMEM puts and signal ops (one copy per token and destination rank: no forwarding
+        through a node's NVLink peers yet). Needs one process per GPU."""
+        return num_ranks > self.num_max_nvl_peers
+
     def low_latency_nvl_domain(self) -> int:
         """Ranks per NVLink domain as the NVSHMEM low-latency kernels use it: ranks r and q with r // d == q // d
         move rows by stores through NVSHMEM's peer pointer (DeepEP's NVLink peers of the low-latency mode), the others

@@ -14,6 +14,7 @@
 #if JAX_EP_NVSHMEM_DEVICE
 #include "device/device_check.h"
 #include "device/ll_rdma.h"
+#include "device/normal_rdma.h"
 #endif
 
 namespace jax_ep {
@@ -386,7 +387,8 @@ Status device_check(double timeout_s, std::vector<int32_t>* out) {
   const int32_t* words = reinterpret_cast<const int32_t*>(&host);
   out->assign(words, words + rdma::CheckResult::kWords);
   // part of the prewarm: the low-latency kernels are loaded now (this device is current), not at the first call
-  return rdma::preload_kernels();
+  JAX_EP_RETURN_IF_ERROR(rdma::preload_kernels());
+  return rdma::preload_normal_kernels();
 #else
   (void)timeout_s;
   (void)out;

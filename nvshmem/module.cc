@@ -14,6 +14,7 @@
 
 #if JAX_EP_NVSHMEM_DEVICE
 #include "device/ll_rdma.h"
+#include "device/normal_rdma.h"
 #endif
 
 namespace nb = nanobind;
@@ -167,6 +168,17 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       },
       "The NVSHMEM low-latency kernels of this module as a capsule for jax_ep._jax_ep_native."
       "set_low_latency_rdma_ops (None without the device library)");
+  m.def(
+      "normal_rdma_ops",
+      []() -> nb::object {
+#if JAX_EP_NVSHMEM_DEVICE
+        return nb::capsule(const_cast<jax_ep::NormalRdmaOps*>(jax_ep::rdma::normal_ops()), "jax_ep.NormalRdmaOps");
+#else
+        return nb::none();
+#endif
+      },
+      "The NVSHMEM normal-mode kernels of this module as a capsule for jax_ep._jax_ep_native.set_normal_rdma_ops "
+      "(None without the device library)");
   m.def("allocated_bytes", &nh::allocated_bytes);
   m.def("live_teams", &nh::live_teams);
 }

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One device call for the NVSHMEM (internode) low-latency path: build, the multi-process NVSHMEM tests first, the
-# whole GPU suite, compute-sanitizer on simulated nodes, then (STEPS=bench) the EP-size benchmark of both paths.
+# One device call for the NVSHMEM (internode) paths: build, the multi-process NVSHMEM tests first, the whole GPU
+# suite, compute-sanitizer on simulated nodes (low-latency and normal mode), then (STEPS=bench) the EP-size
+# benchmark of both paths.
 # Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench (default build,mp,suite,sanitize).
 #   SAN_TOOLS="memcheck"  sanitizer tools at n=N (default memcheck racecheck, plus memcheck at n=1 all-remote)
+#   SAN_SCRIPTS="ll normal"  which small programs run under the sanitizer (sanitize_ll_small / _normal_small)
 #   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
-#   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128)
+#   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128); TOKENS: normal mode's (default 4096)
+#   BENCH_MODES="low_latency normal"  the bench's modes
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -28,18 +31,26 @@ if has suite; then
 fi
 if has sanitize; then
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
-    run "san_${tool}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool --report-api-errors no \
-      --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_ll_small.py nvshmem
+    for script in ${SAN_SCRIPTS:-ll normal}; do
+      [ "$script" = ll ] && prog=(tests/gpu/sanitize_ll_small.py nvshmem) || prog=(tests/gpu/sanitize_normal_small.py)
+      run "san_${tool}_${script}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool \
+        --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
+    done
   done
   [ -n "${SAN_TOOLS:-}" ] || run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 1 --timeout 110 \
     tests/gpu/sanitize_ll_small.py nvshmem
 fi
 if has bench; then
-  run bench_nvlink_ep$N 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency \
-    --ll-tokens "$LL_TOKENS" --loops 15 --out "$OUT/bench_nvlink"
-  run bench_nvshmem_ep$N 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" -m jax_ep.bench \
-    --mode low_latency --ll-tokens "$LL_TOKENS" --loops 15 --nvl 1 --out "$OUT/bench_nvshmem"
-  for b in nvlink nvshmem; do grep -E "^\||kernel\)" "$OUT/bench_${b}_ep$N.log" | grep -v "^\[" | sed "s/^/$b: /" >> "$S"; done
+  # low-latency and normal mode, each through the NVLink kernels (--nvl 8) and the NVSHMEM kernels (--nvl 1);
+  # normal mode: jax_ep only (the baselines are timed elsewhere); low-latency: with its kernel-time phases
+  for mode in ${BENCH_MODES:-low_latency normal}; do
+    [ "$mode" = low_latency ] && shape=(--ll-tokens "$LL_TOKENS") || shape=(--tokens "${TOKENS:-4096}" --only jax_ep)
+    for nvl in 8 1; do
+      run "bench_${mode}_nvl${nvl}_ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" \
+        -m jax_ep.bench --mode "$mode" "${shape[@]}" --loops 15 --nvl $nvl --out "$OUT/bench_${mode}_$nvl"
+      grep -E "^\||kernel\)" "$OUT/bench_${mode}_nvl${nvl}_ep$N.log" | grep -v "^\[" | sed "s/^/${mode} nvl=$nvl: /" >> "$S"
+    done
+  done
 fi
 cat "$S"

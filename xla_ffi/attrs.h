@@ -21,6 +21,8 @@ struct NormalAttrs {
   int32_t max_tokens_per_rank;  // T_max
   int32_t num_sms;              // blocks of the NVLink-sending kernels
   int64_t timeout_ns;           // device waits trap after this long
+  int32_t rdma;                 // 1: the NVSHMEM kernels (EPConfig.normal_over_nvshmem(R))
+  int32_t nvl_domain;           // ranks per NVLink domain for those kernels (EPConfig.num_max_nvl_peers)
 };
 
 // Every jax_ep_ll_*_v5 target.
@@ -43,7 +45,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::NormalAttrs, StructMember<std::str
                                       StructMember<int32_t>("num_experts"), StructMember<int32_t>("hidden"),
                                       StructMember<int32_t>("num_topk"),
                                       StructMember<int32_t>("max_tokens_per_rank"),
-                                      StructMember<int32_t>("num_sms"), StructMember<int64_t>("timeout_ns"));
+                                      StructMember<int32_t>("num_sms"), StructMember<int64_t>("timeout_ns"),
+                                      StructMember<int32_t>("rdma"), StructMember<int32_t>("nvl_domain"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::LowLatencyAttrs, StructMember<std::string_view>("axis"),
                                       StructMember<int32_t>("num_experts"), StructMember<int32_t>("hidden"),

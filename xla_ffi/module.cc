@@ -83,7 +83,7 @@ void def_staging(nb::module_& m) {
   m.def(
       "normal_buffer_bytes",
       [](int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t capacity,
-         int64_t num_experts) {
+         int64_t num_experts, bool rdma) {
         const char* fn = "normal_buffer_bytes";
         require_positive(fn, "hidden", hidden);
         require_positive(fn, "num_topk", num_topk);
@@ -91,11 +91,13 @@ void def_staging(nb::module_& m) {
         require_positive(fn, "num_ranks", num_ranks);
         require_positive(fn, "capacity", capacity);
         require_positive(fn, "num_experts", num_experts);
-        return jax_ep::normal_buffer_bytes(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts);
+        return jax_ep::normal_buffer_bytes(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts,
+                                           rdma);
       },
       nb::arg("hidden"), nb::arg("num_topk"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"),
-      nb::arg("capacity"), nb::arg("num_experts"),
-      "Bytes of the normal-mode region one rank needs for a config (signal header included).");
+      nb::arg("capacity"), nb::arg("num_experts"), nb::arg("rdma") = false,
+      "Bytes of the normal-mode region one rank needs for a config (signal header included); rdma: with the send "
+      "area of the NVSHMEM normal-mode kernels (EPConfig.normal_over_nvshmem).");
   m.def(
       "low_latency_buffer_bytes",
       [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts, bool staged) {
@@ -188,24 +190,37 @@ void def_groups(nb::module_& m) {
       nb::arg("id"), "What a group holds (ids, devices, bytes, device addresses of the staging buffers).");
 }
 
+// The ops table inside a capsule of jax_ep._jax_ep_nvshmem.<source>(), or nullptr for None.
+template <typename Table>
+const Table* table_from_capsule(nb::object ops, const char* fn, const char* name, const char* source) {
+  if (ops.is_none()) return nullptr;
+  nb::capsule cap = nb::cast<nb::capsule>(ops);
+  if (cap.name() == nullptr || std::string(cap.name()) != name)
+    throw std::invalid_argument(std::string(fn) + ": expected the capsule of jax_ep._jax_ep_nvshmem." + source + "()");
+  return static_cast<const Table*>(cap.data());
+}
+
 void def_bindings(nb::module_& m) {
   m.def(
       "set_low_latency_rdma_ops",
       [](nb::object ops) {
-        const jax_ep::LowLatencyRdmaOps* table = nullptr;
-        if (!ops.is_none()) {
-          nb::capsule cap = nb::cast<nb::capsule>(ops);
-          if (cap.name() == nullptr || std::string(cap.name()) != "jax_ep.LowLatencyRdmaOps")
-            throw std::invalid_argument("set_low_latency_rdma_ops: expected the capsule of "
-                                        "jax_ep._jax_ep_nvshmem.low_latency_rdma_ops()");
-          table = static_cast<const jax_ep::LowLatencyRdmaOps*>(cap.data());
-        }
-        throw_if_error(jax_ep::set_low_latency_rdma_ops(table));
+        throw_if_error(jax_ep::set_low_latency_rdma_ops(table_from_capsule<jax_ep::LowLatencyRdmaOps>(
+            ops, "set_low_latency_rdma_ops", "jax_ep.LowLatencyRdmaOps", "low_latency_rdma_ops")));
       },
       nb::arg("ops").none(),
-      "Installs the NVSHMEM module's low-latency kernels (EPConfig.allow_nvlink_for_low_latency=False), or clears "
-      "them with None. The table must come from a module built from the same tree (checked).");
+      "Installs the NVSHMEM module's low-latency kernels (EPConfig.low_latency_over_nvshmem), or clears them with "
+      "None. The table must come from a module built from the same tree (checked).");
   m.def("has_low_latency_rdma_ops", []() { return jax_ep::low_latency_rdma_ops() != nullptr; });
+  m.def(
+      "set_normal_rdma_ops",
+      [](nb::object ops) {
+        throw_if_error(jax_ep::set_normal_rdma_ops(table_from_capsule<jax_ep::NormalRdmaOps>(
+            ops, "set_normal_rdma_ops", "jax_ep.NormalRdmaOps", "normal_rdma_ops")));
+      },
+      nb::arg("ops").none(),
+      "Installs the NVSHMEM module's normal-mode kernels (EPConfig.normal_over_nvshmem), or clears them with None. "
+      "The table must come from a module built from the same tree (checked).");
+  m.def("has_normal_rdma_ops", []() { return jax_ep::normal_rdma_ops() != nullptr; });
   m.def(
       "bind_axis",
       [](const std::string& axis, int64_t set_id, int64_t ll_offset, int64_t ll_bytes) {

@@ -45,7 +45,7 @@ ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupC
   const OpConfig& a = st->config();
   JAX_EP_CHECK(target, capacity > 0, "the capacity (rows of the receive buffers) must be positive");
   const BufferLayout layout = make_buffer_layout(a.hidden, a.num_topk, a.max_tokens_per_rank, r->view.num_ranks,
-                                                 capacity, a.num_experts);
+                                                 capacity, a.num_experts, a.rdma);
   JAX_EP_CHECK(target, layout.total <= r->normal_limit,
                "this config needs " + std::to_string(layout.total) + " staging bytes per rank but the runtime has " +
                    std::to_string(r->normal_limit) + " (pass this config to jax_ep.initialize)");

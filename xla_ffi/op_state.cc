@@ -50,9 +50,13 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const
   if (err.empty() && a.num_experts > kMaxLayoutExperts)
     err = "num_experts must be <= " + std::to_string(kMaxLayoutExperts) + ", got " + std::to_string(a.num_experts);
   if (err.empty() && a.num_sms < 1) err = "num_sms must be >= 1, got " + std::to_string(a.num_sms);
+  if (err.empty() && a.rdma != 0 && a.nvl_domain < 1)
+    err = "nvl_domain must be >= 1, got " + std::to_string(a.nvl_domain);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.num_sms = a.num_sms;
+  c.rdma = a.rdma != 0;
+  c.nvl_domain = a.nvl_domain;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kNormal, std::string(a.axis), c));
 }
 
@@ -85,6 +89,7 @@ GroupCtx OpState::group_ctx(const Resolved& r) const {
   g.num_ranks = r.view.num_ranks;
   g.timeout_ns = config_.timeout_ns;
   for (int q = 0; q < kMaxGroupRanks; ++q) g.pe[q] = r.view.pe[q];
+  g.remote = mode_ == OpMode::kNormal ? r.normal_remote : 0u;
   return g;
 }
 
@@ -99,8 +104,23 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->view = rg.view;
   out->binding = rg.binding;
   out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
-  // Every kernel but the NVSHMEM low-latency ones stores through peer pointers: a rank without one (another host)
-  // makes them impossible, which is said here rather than found as a fault.
+  // The NVSHMEM normal-mode kernels reach the ranks of other NVLink domains, and any rank without a pointer, by
+  // puts; they need this rank to be an NVSHMEM PE.
+  if (mode_ == OpMode::kNormal && c.rdma) {
+    if (rg.view.pe[rg.view.rank] < 0)
+      return ffi_util::Precondition(target_, "the NVSHMEM normal-mode kernels (R > num_max_nvl_peers) move rows with "
+                                             "NVSHMEM puts, but the group of mesh axis '" + axis_ + "' is not an "
+                                             "NVSHMEM group: run one process per GPU (python -m jax_ep.launch)");
+    out->normal_remote = ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+    for (int q = 0; q < R; ++q)
+      if (rg.view.peers.base[q] == nullptr) out->normal_remote |= 1u << q;
+    out->normal_remote &= ~(1u << rg.view.rank);  // this rank's own rows always move by stores
+    if (rg.view.peers.base[rg.view.rank] == nullptr)
+      return ffi_util::Precondition(target_, "this rank has no staging buffer in the group of mesh axis '" + axis_ + "'");
+    return ffi::Error::Success();
+  }
+  // Every other kernel but the NVSHMEM low-latency ones stores through peer pointers: a rank without one (another
+  // host) makes them impossible, which is said here rather than found as a fault.
   if (mode_ != OpMode::kLowLatency || !c.rdma) {
     std::string unmapped;
     for (int q = 0; q < R; ++q)
@@ -112,8 +132,8 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                        (mode_ == OpMode::kLowLatency
                             ? std::string("Low-latency ops across hosts need the NVSHMEM kernels: set "
                                           "EPConfig.num_max_nvl_peers to the GPUs per host")
-                            : std::string("Normal-mode ops across hosts (hierarchical, docs/INTERNODE.md) are not "
-                                          "built yet; low-latency ops work across hosts")));
+                            : std::string("Normal-mode ops across hosts run the NVSHMEM kernels: set "
+                                          "EPConfig.num_max_nvl_peers to the GPUs per host")));
   }
   if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
 

@@ -41,7 +41,8 @@ struct OpConfig {
   int32_t num_sms = 0;     // normal mode
   bool use_fp8 = false;    // low-latency dispatch
   bool per_rank = false;   // low-latency mode: per_rank (EPConfig.low_latency_mode)
-  bool rdma = false;       // low-latency mode: the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem(R))
+  // the NVSHMEM kernels: EPConfig.low_latency_over_nvshmem(R) (low-latency), EPConfig.normal_over_nvshmem(R) (normal)
+  bool rdma = false;
   int32_t nvl_domain = 0;  // with rdma: ranks r, q with r / nvl_domain == q / nvl_domain are reached by stores
   uint64_t timeout_ns = 1;
 };
@@ -52,6 +53,7 @@ struct Resolved {
   GroupDeviceView view;
   AxisBinding binding;
   int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, ll_offset) when an LL region is bound
+  uint32_t normal_remote = 0;  // normal targets with rdma: GroupCtx::remote
   ll::Ctx ll{};              // low-latency targets: the validated context (group, layout of the bound region)
 };
 

@@ -20,21 +20,16 @@
 #include "common/routing.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
+#include "jax_ep/rdma_ops.h"
+#include "kernels/normal_device.cuh"
 #include "jax_ep/signal_header.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep::normal {
 namespace {
 
-constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
 constexpr int kCopyThreads = 512;
 constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per step (local copy-out)
-// Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores). NOTE: measured on 4x H200, T=4096
-// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; 1024-thread blocks (unroll 4 or 8) were
-// no faster either (bf16 722 / 757 vs 718 us, fp8 443 / 451 vs 425 us). See docs/gpu-notes.md.
-constexpr int kSendUnroll = 8;
-// Combine sender: 8 vectors in flight per lane (one store per load). See the timing NOTE at combine_send_kernel.
-constexpr int kCombineUnroll = 8;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Barrier kernel (cached dispatch, combine, group warm-up).
@@ -57,16 +52,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
-
-  routing::Params lp{};
-  lp.topk_idx = p.topk_idx;
-  lp.send_pos = p.send_pos;
-  lp.num_tokens = p.num_tokens;
-  lp.num_topk = p.num_topk;
-  lp.num_experts = p.num_experts;
-  lp.num_ranks = R;
-  routing::block_layout(lp, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
-  __syncthreads();
+  notify_layout(p, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
 
   const uint32_t epoch = group_barrier_block(g, "dispatch notify barrier");
 
@@ -86,125 +72,20 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
   }
   __syncthreads();
 
-  char* self = self_base(g);
-  const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);
-  if (tid < R * R) s_counts[tid / R][tid % R] = __ldcg(counts + tid);
-  __syncthreads();
-  if (tid < R) {
-    p.recv_rank_counts[tid] = s_counts[tid][me];
-    int32_t off = 0;
-    for (int s = 0; s < me; ++s) off += s_counts[s][tid];
-    p.send_row_offset[tid] = off;
-  }
-  if (tid == 0) {
-    int32_t total = 0;
-    for (int s = 0; s < R; ++s) total += s_counts[s][me];
-    *p.num_recv_tokens = total;
-  }
-  const int32_t* expert_counts = reinterpret_cast<const int32_t*>(self + g.layout.expert_counts);
-  for (int l = tid; l < L; l += blockDim.x) {
-    int32_t n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(expert_counts + s * L + l);
-    p.num_recv_tokens_per_expert[l] = n;
-  }
+  notify_outputs(p, s_counts);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
-// every destination of the token.
-struct SendArgs {
-  GroupCtx g;
-  const char* rows;                // [T, row_bytes]
-  const float* scales;             // [T, scale_cols] or nullptr
-  const int32_t* topk_idx;         // [T, K] (dispatch: converted to the destination's local ids) or nullptr
-  const float* weights;            // [T, num_weights] or nullptr
-  const int32_t* send_pos;         // [T, R]
-  const int32_t* send_row_offset;  // [R]
-  int32_t num_tokens;
-  int32_t row_bytes;
-  int32_t scale_cols;
-  int32_t num_weights;             // K (dispatch) or Kw (cached)
-  int32_t capacity;
-  int32_t experts_per_rank;        // L (dispatch)
-  bool write_src_idx;              // dispatch: the source token index of every row
-};
-
+// every destination of the token (normal_device.cuh).
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const SendArgs a) {
-  const GroupCtx& g = a.g;
-  const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, lane = lane_id();
-  const uint32_t epoch = current_epoch(g);
-  const int n16 = a.row_bytes / 16;
-
+  const uint32_t epoch = current_epoch(a.g);
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
-    // Lane d < R finds the staging row of this token on rank d (-1: not sent, or cut by the capacity).
-    int my_row = -1;
-    if (lane < R) {
-      const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * R + lane);
-      if (sp >= 0) {
-        const int32_t row = __ldg(a.send_row_offset + lane) + sp;
-        if (row < a.capacity) my_row = row;
-      }
-    }
     int32_t rows[kMaxGroupRanks];
-#pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
-
-    const int4* src = reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes);
-    for (int base = 0; base < n16; base += 32 * kSendUnroll) {
-      int4 v[kSendUnroll];
-#pragma unroll
-      for (int j = 0; j < kSendUnroll; ++j) {
-        const int i = base + j * 32 + lane;
-        if (i < n16) v[j] = ld_nc_v4(src + i);
-      }
-#pragma unroll
-      for (int d = 0; d < kMaxGroupRanks; ++d) {
-        if (rows[d] < 0) continue;
-        int4* dst = reinterpret_cast<int4*>(g.peers.base[d] + B.payload + static_cast<int64_t>(rows[d]) * a.row_bytes);
-#pragma unroll
-        for (int j = 0; j < kSendUnroll; ++j) {
-          const int i = base + j * 32 + lane;
-          if (i < n16) st_v4(dst + i, v[j]);
-        }
-      }
-    }
-    for (int j = lane; j < a.scale_cols; j += 32) {
-      const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
-#pragma unroll
-      for (int d = 0; d < kMaxGroupRanks; ++d)
-        if (rows[d] >= 0)
-          reinterpret_cast<float*>(g.peers.base[d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
-    }
-    if (lane < a.num_weights) {
-      const int k = lane, K = a.num_weights;
-      const float w = __ldg(a.weights + static_cast<int64_t>(t) * K + k);
-      int32_t e = -1;
-      if (a.topk_idx != nullptr) {
-        e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + k);
-        if (!routing::valid_expert(e, a.experts_per_rank * R)) e = -1;
-      }
-#pragma unroll
-      for (int d = 0; d < kMaxGroupRanks; ++d) {
-        if (rows[d] < 0) continue;
-        const int64_t at = static_cast<int64_t>(rows[d]) * K + k;
-        if (a.topk_idx != nullptr) {
-          // SPEC: the destination's local expert id where the expert lives there, else -1 (weight 0).
-          const int32_t local = (e >= 0 && e / a.experts_per_rank == d) ? e - d * a.experts_per_rank : -1;
-          reinterpret_cast<int32_t*>(g.peers.base[d] + B.topk_idx)[at] = local;
-          reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = local >= 0 ? w : 0.0f;
-        } else {
-          reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = w;
-        }
-      }
-    }
-    if (a.write_src_idx && lane == 0) {
-#pragma unroll
-      for (int d = 0; d < kMaxGroupRanks; ++d)
-        if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[d] + B.src_idx)[rows[d]] = t;
-    }
+    token_rows(a, t, rows);
+    store_token(a, t, rows);
   }
-  finish_and_signal_data(g, epoch);
+  finish_and_signal_data(a.g, epoch);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -298,53 +179,18 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs 
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
-  const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, me = g.rank, lane = lane_id();
+  const int R = g.num_ranks, me = g.rank;
   const uint32_t epoch = current_epoch(g);
-  if (threadIdx.x == 0) {
-    int32_t off = 0, span = 0;
-    for (int s = 0; s < R; ++s) {
-      const int32_t n = p.recv_rank_counts[s];
-      s_begin[s] = min(off, p.capacity);        // rows past the capacity never arrived
-      s_end[s] = min(off + n, p.capacity);
-      if (s != me) span = max(span, s_end[s] - s_begin[s]);
-      off += n;
-    }
-    s_span = span;
-  }
-  __syncthreads();
-  const int n16 = p.row_bytes / 16;
-  const char* values = static_cast<const char*>(p.values);
+  combine_source_spans(p, s_begin, s_end, &s_span);
   const int num_src = R - 1;  // R == 1: nothing to send
   const int64_t total = static_cast<int64_t>(num_src) * s_span;
-
   for (int64_t j = global_warp(); j < total; j += num_global_warps()) {
     const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
     const int32_t row = s_begin[from] + static_cast<int32_t>(j / num_src);
     if (row >= s_end[from]) continue;  // this source has fewer rows
-    const int32_t s = __ldg(p.recv_src_rank + row), t = __ldg(p.recv_src_idx + row);
-    if (s < 0 || s >= R || t < 0 || t >= p.max_tokens_per_rank) continue;  // padding (or a corrupted handle)
-    if (s != from) continue;  // a handle from dispatch always has s == from (rows grouped by source rank)
-    char* base = peer_base(g, s);
-    const int64_t slot = static_cast<int64_t>(me) * p.max_tokens_per_rank + t;
-    const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
-    int4* dst = reinterpret_cast<int4*>(base + B.payload + slot * p.row_bytes);
-    for (int base_i = 0; base_i < n16; base_i += 32 * kCombineUnroll) {
-      int4 v[kCombineUnroll];
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        const int i = base_i + u * 32 + lane;
-        if (i < n16) v[u] = ld_nc_v4(src + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        const int i = base_i + u * 32 + lane;
-        if (i < n16) st_v4(dst + i, v[u]);
-      }
-    }
-    if (lane < p.num_weights)
-      reinterpret_cast<float*>(base + B.topk_weights)[slot * p.num_weights + lane] =
-          __ldg(p.weights + static_cast<int64_t>(row) * p.num_weights + lane);
+    const int32_t t = combine_row_token(p, row, from);
+    if (t < 0) continue;  // padding (or a corrupted handle)
+    store_combine_row(p, peer_base(g, from), static_cast<int64_t>(me) * p.max_tokens_per_rank + t, row);
   }
   finish_and_signal_data(g, epoch);
 }
@@ -465,15 +311,42 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
 
 int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
 
+// The NVSHMEM kernels of a group with remote ranks (GroupCtx::remote != 0: EPConfig.normal_over_nvshmem), or
+// nullptr for the NVLink kernels. Error: remote ranks but the NVSHMEM module has not handed its table over.
+Status transport_ops(const GroupCtx& g, const NormalRdmaOps** ops) {
+  *ops = nullptr;
+  if (g.remote == 0u) return Status::Ok();
+  *ops = normal_rdma_ops();
+  if (*ops == nullptr)
+    return Status::Error("this group has ranks reached by NVSHMEM puts (R > num_max_nvl_peers) but the NVSHMEM "
+                         "module's normal-mode kernels are not loaded (jax_ep.initialize with one process per GPU "
+                         "and a build with NVSHMEM's device library)");
+  return Status::Ok();
+}
+
+Status from_message(const char* err) { return err == nullptr ? Status::Ok() : Status::Error(err); }
+
+Status launch_barrier_on(const GroupCtx& g, const NormalRdmaOps* ops, cudaStream_t stream) {
+  if (ops != nullptr) return from_message(ops->barrier(g, stream));
+  barrier_kernel<<<1, 32, 0, stream>>>(g);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
 // The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's
 // rows have arrived here, then copy staging into XLA's outputs with all SMs. Stream order carries the
 // dependencies; only the one-warp kernel spins (see docs/gpu-notes.md on why wide kernels never wait).
 Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
-                             cudaStream_t stream) {
-  send_rows_kernel<<<clamp_blocks(num_sms), kSendThreads, 0, stream>>>(s);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+                             const NormalRdmaOps* ops, cudaStream_t stream) {
+  if (ops != nullptr) {
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->send_rows(s, clamp_blocks(num_sms), stream)));
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->wait_data(r.g, stream)));
+  } else {
+    send_rows_kernel<<<clamp_blocks(num_sms), kSendThreads, 0, stream>>>(s);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   recv_copy_kernel<<<clamp_blocks(copy_blocks), kCopyThreads, 0, stream>>>(r);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
@@ -490,15 +363,21 @@ Status preload_kernels() {
 }
 
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
-  barrier_kernel<<<1, 32, 0, stream>>>(g);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return Status::Ok();
+  const NormalRdmaOps* ops = nullptr;
+  JAX_EP_RETURN_IF_ERROR(transport_ops(g, &ops));
+  return launch_barrier_on(g, ops, stream);
 }
 
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
-  dispatch_notify_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const NormalRdmaOps* ops = nullptr;
+  JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
+  if (ops != nullptr) {
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->dispatch_notify(p, stream)));
+  } else {
+    const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
+    dispatch_notify_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
 
   SendArgs s{};
   s.g = p.g;
@@ -529,11 +408,13 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.num_weights = p.num_topk;
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
-  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, stream);
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_ERROR(launch_group_barrier(p.g, stream));
+  const NormalRdmaOps* ops = nullptr;
+  JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
+  JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
   SendArgs s{};
   s.g = p.g;
   s.rows = static_cast<const char*>(p.payload);
@@ -558,15 +439,22 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   r.row_bytes = p.row_bytes;
   r.out_weights = p.num_weights > 0 ? p.recv_weights : nullptr;
   r.num_weights = p.num_weights;
-  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, stream);
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 
 Status launch_combine(const CombineParams& p, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_ERROR(launch_group_barrier(p.g, stream));
-  combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const NormalRdmaOps* ops = nullptr;
+  JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
+  JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
+  if (ops != nullptr) {
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send(p, clamp_blocks(p.num_sms), stream)));
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->wait_data(p.g, stream)));
+  } else {
+    combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   if (p.dtype == CombineDtype::kBF16)
     combine_reduce_kernel<__nv_bfloat16><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
   else

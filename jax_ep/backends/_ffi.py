@@ -36,12 +36,14 @@ def _call(target, result_types, *operands, has_side_effect=False, input_output_a
 
 
 # ---- attributes: one builder; the native side decodes them as one struct per mode (xla_ffi/attrs.h) --------------
-def normal_attrs(cfg) -> dict:
+def normal_attrs(cfg, num_ranks: int) -> dict:
     """NormalAttrs: what the normal-mode targets decode. They say *what* (config, axis), never *where*: each
-    device's handler resolves its group and buffers from the axis binding made by jax_ep.initialize."""
+    device's handler resolves its group and buffers from the axis binding made by jax_ep.initialize. rdma: the
+    NVSHMEM kernels, cfg.normal_over_nvshmem(R); nvl_domain: num_max_nvl_peers, the ranks they reach by stores."""
     return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
                 num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
-                num_sms=np.int32(cfg.num_sms), timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)))
+                num_sms=np.int32(cfg.num_sms), timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)),
+                rdma=np.int32(cfg.normal_over_nvshmem(num_ranks)), nvl_domain=np.int32(cfg.num_max_nvl_peers))
 
 
 def low_latency_attrs(cfg, num_ranks: int, use_fp8: bool = False) -> dict:

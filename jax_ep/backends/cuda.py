@@ -38,7 +38,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, cfg: EPConfig, num_ranks: int)
      row_offset) = _ffi.dispatch(
         x, scales, topk_idx.astype(I32), topk_weights.astype(F32), num_ranks=num_ranks,
         capacity=cfg.capacity(num_ranks), num_local_experts=cfg.num_local_experts(num_ranks),
-        attrs=_ffi.normal_attrs(cfg))
+        attrs=_ffi.normal_attrs(cfg, num_ranks))
     handle = DispatchHandle(send_pos=send_pos, recv_src_idx=src_idx, recv_src_rank=src_rank,
                             recv_rank_counts=rank_counts, send_row_offset=row_offset)
     return DispatchOutput(recv_x=recv_x, recv_x_scales=recv_scales if fp8 else None, recv_topk_idx=recv_idx,
@@ -48,13 +48,13 @@ def dispatch(x, x_scales, topk_idx, topk_weights, cfg: EPConfig, num_ranks: int)
 
 def cached_dispatch(payload, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
     w = weights.astype(F32) if weights is not None else _none_like(payload)
-    recv, recv_w = _ffi.cached_dispatch(payload, w, *handle, attrs=_ffi.normal_attrs(cfg))
+    recv, recv_w = _ffi.cached_dispatch(payload, w, *handle, attrs=_ffi.normal_attrs(cfg, num_ranks))
     return recv, (recv_w if weights is not None else None)
 
 
 def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: int):
     w = weights.astype(F32) if weights is not None else _none_like(values)
-    y, y_w = _ffi.combine(values, w, *handle, attrs=_ffi.normal_attrs(cfg))
+    y, y_w = _ffi.combine(values, w, *handle, attrs=_ffi.normal_attrs(cfg, num_ranks))
     return y, (y_w if weights is not None else None)
 
 

@@ -110,7 +110,7 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
         raise EPError(f"jax_ep.buffer_size_hint: {e}") from None
     m = _layout_module()
     normal = int(m.normal_buffer_bytes(cfg.hidden, cfg.num_topk, cfg.max_tokens_per_rank, num_ranks,
-                                       cfg.capacity(num_ranks), cfg.num_experts))
+                                       cfg.capacity(num_ranks), cfg.num_experts, cfg.normal_over_nvshmem(num_ranks)))
     low_latency = 0
     if cfg.uses_low_latency_buffers():
         low_latency = int(m.low_latency_buffer_bytes(cfg.hidden, cfg.max_tokens_per_rank, num_ranks, cfg.num_experts,
@@ -121,8 +121,9 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
 def rdma_size_hint(cfg: EPConfig, num_ranks: int) -> int:
     """Bytes of NVSHMEM symmetric memory one rank needs for `cfg` with one process per GPU (DeepEP's RDMA size hint).
 
-    In that model all of a config's staging is symmetric memory: its normal region and its low-latency region, the
-    latter with the send slots of the NVSHMEM puts when cfg.low_latency_over_nvshmem(num_ranks). initialize sizes the
+    In that model all of a config's staging is symmetric memory: its normal region and its low-latency region, each
+    with the send area of the NVSHMEM puts when their ops run over NVSHMEM (cfg.normal_over_nvshmem(num_ranks),
+    cfg.low_latency_over_nvshmem(num_ranks)). initialize sizes the
     heap (NVSHMEM_SYMMETRIC_SIZE) itself from the largest config per axis plus 256 MiB for NVSHMEM, unless the
     variable is set; set it from this hint when a later initialize of the same process will need more.
     Raises EPError like buffer_size_hint.
@@ -269,8 +270,9 @@ def _build(mesh, configs, retired: list) -> Runtime:
     cuda_configs = [c for c, b in backends.items() if b == "cuda"]
     # one process per GPU (NVSHMEM): several processes, or CUDA configs with JAX_EP_TRANSPORT=nvshmem
     multi = jax.process_count() > 1 or (bool(cuda_configs) and _one_process_per_gpu())
-    _check_low_latency_transport(cuda_configs, {c.axis_name: len(groups[c.axis_name][0].device_ids)
-                                                for c in cuda_configs}, multi)
+    ranks_by_axis = {c.axis_name: len(groups[c.axis_name][0].device_ids) for c in cuda_configs}
+    _check_normal_transport(cuda_configs, ranks_by_axis, multi)
+    _check_low_latency_transport(cuda_configs, ranks_by_axis, multi)
     axes = sorted({c.axis_name for c in cuda_configs})
     buffer_bytes = ll_offset = ll_bytes = 0
     if cuda_configs:
@@ -296,6 +298,27 @@ def _build(mesh, configs, retired: list) -> Runtime:
                    low_latency_offset=ll_offset, low_latency_bytes=ll_bytes,
                    teams=transport.summary().get("teams", []) if transport else [], transport_state=transport,
                    retired=retired, bound_axes=tuple(axes) if transport else (), mesh=mesh)
+
+
+def _check_normal_transport(cuda_configs, num_ranks: dict, one_process_per_gpu: bool) -> None:
+    """The NVSHMEM normal-mode kernels (cfg.normal_over_nvshmem(R): a group wider than num_max_nvl_peers) need one
+    process per GPU, and the configs of one mesh axis must agree on which kernels run and on their NVLink domain:
+    their ops share the barrier counters, which count a pair's barriers with one mechanism (stores through a peer
+    pointer, or NVSHMEM signals). num_ranks: axis -> R."""
+    by_axis: dict = {}
+    for c in cuda_configs:
+        R = num_ranks[c.axis_name]
+        over = c.normal_over_nvshmem(R)
+        by_axis.setdefault(c.axis_name, set()).add((over, c.num_max_nvl_peers if over else 0))
+        if len(by_axis[c.axis_name]) > 1:
+            raise EPError(f"jax_ep.initialize: the CUDA configs of mesh axis {c.axis_name!r} disagree on the "
+                          f"normal-mode kernels (num_max_nvl_peers against R={R}); every config of one axis must "
+                          f"make the same choice")
+        if c.normal_over_nvshmem(R) and not one_process_per_gpu:
+            raise EPError(f"jax_ep.initialize: the normal-mode ops of axis {c.axis_name!r} (R={R}) run the NVSHMEM "
+                          f"kernels (R > num_max_nvl_peers={c.num_max_nvl_peers}: a group wider than one NVLink "
+                          f"domain), which need one process per GPU: start the program with python -m jax_ep.launch "
+                          f"-n N, or set num_max_nvl_peers >= {R}")
 
 
 def _check_low_latency_transport(cuda_configs, num_ranks: dict, one_process_per_gpu: bool) -> None:

@@ -159,7 +159,9 @@ class NvshmemTransport:
         return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
                      device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
                      timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
-                     needs_device_library=any(ll_domains.values()), ll_domains=ll_domains)
+                     needs_device_library=any(ll_domains.values()) or any(
+                         c.normal_over_nvshmem(len(pes_by_axis[c.axis_name][0])) for c in cuda_configs),
+                     ll_domains=ll_domains)
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -267,10 +269,11 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             t = time.perf_counter()
             device = check_device_api(m, process_id, timeout_s)
             timings["device_check"] = time.perf_counter() - t
-            # the NVSHMEM low-latency kernels (EPConfig.low_latency_over_nvshmem) for the native handlers
+            # the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem, normal_over_nvshmem) for the native handlers
             _native.module().set_low_latency_rdma_ops(m.low_latency_rdma_ops())
+            _native.module().set_normal_rdma_ops(m.normal_rdma_ops())
         elif needs_device_library:
-            raise EPError("jax_ep.initialize: the NVSHMEM low-latency kernels (EPConfig.allow_nvlink_for_low_latency="
+            raise EPError("jax_ep.initialize: the NVSHMEM kernels (EPConfig.allow_nvlink_for_low_latency="
                           "False, or R > num_max_nvl_peers) need NVSHMEM's device library in jax_ep._jax_ep_nvshmem, and this build has none (the nvidia-nvshmem-cu13 "
                           "wheel it was built against lacks lib/libnvshmem_device.a; docs/BUILDING.md)")
 

@@ -30,11 +30,17 @@
 #include "common/preload.cuh"
 #include "device/counted_signal.cuh"
 #include "device/ll_rdma.h"
+#include "device/remote_puts.cuh"
 #include "kernels/ll_device.cuh"
 #include "kernels/ll_protocol.cuh"
 #include "kernels/ll_recv.cuh"
 
 namespace jax_ep::rdma {
+
+// The test hook's byte counter (remote_puts.cuh).
+__device__ uint32_t g_count_remote_bytes;
+__device__ unsigned long long g_remote_bytes;
+
 namespace {
 
 using namespace jax_ep::ll;  // NOLINT
@@ -94,18 +100,6 @@ __device__ __forceinline__ void add_to_word(uint64_t* word_sym, uint64_t value, 
     atomicAdd_system(static_cast<unsigned long long*>(nvshmem_ptr(word_sym, pe)), static_cast<unsigned long long>(value));
   else
     nvshmemx_signal_op(word_sym, value, NVSHMEM_SIGNAL_ADD, pe);
-}
-
-// Test hook JAX_EP_TEST_COUNT_REMOTE_BYTES=1 (set_remote_byte_counting): bytes of rows this device put to remote
-// peers (signals not included), so a test can check the traffic that crosses the node boundary.
-__device__ uint32_t g_count_remote_bytes;
-__device__ unsigned long long g_remote_bytes;
-
-// A counted message to a remote peer, from a warp: NVSHMEM put-with-signal (+1 on `word_sym` after the bytes).
-// `src` must be symmetric memory (a send slot).
-__device__ __forceinline__ void put_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe) {
-  nvshmemx_putmem_signal_nbi_warp(dst_sym, src, bytes, word_sym, 1, NVSHMEM_SIGNAL_ADD, pe);
-  if (g_count_remote_bytes && lane_id() == 0) atomicAdd(&g_remote_bytes, static_cast<unsigned long long>(bytes));
 }
 
 // One counted message from a warp: `bytes` (a multiple of 4) from `src` (global memory this kernel may have
@@ -363,14 +357,6 @@ __global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(
 }
 
 // ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
-const char* launch_error(const char* what) {
-  thread_local std::string message;
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return nullptr;
-  message = std::string(what) + " launch failed: " + cudaGetErrorString(e);
-  return message.c_str();
-}
-
 // The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once per process for all four kernels: a
 // consumed word is written by both receive kernels, so they must never disagree on its mechanism.
 bool all_peers_remote() {

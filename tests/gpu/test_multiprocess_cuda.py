@@ -90,6 +90,8 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
     out = _launch(n, "--out", multi, "--nvl", "2" if n == 4 else "1", "--mismatch")
     for tag in ("runtime", "teams", "correctness", "reinitialize", "mismatch", "after_mismatch", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
+    for line in _lines(out, "normal_kernels").values():  # R > num_max_nvl_peers: the NVSHMEM normal-mode kernels
+        assert "rdma=[1]" in line, line
     for line in _lines(out, "runtime").values():
         assert "model=multi-process transport=nvshmem" in line, line
     for line in _lines(out, "device_check").values():
@@ -146,14 +148,18 @@ def test_low_latency_over_nvshmem_puts_matches_reference(n, flags):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     for line in _lines(out, "ll_kernels").values():
         assert "rdma=[1]" in line, line
+    # normal mode: the NVSHMEM kernels exactly when R > num_max_nvl_peers (nvshmem/device/normal_rdma.cu)
+    for line in _lines(out, "normal_kernels").values():
+        assert f"rdma=[{int(n > 1)}]" in line, line
 
 
-def test_low_latency_group_across_simulated_hosts():
+def test_group_across_simulated_hosts():
     """Two processes that NVSHMEM may not map to each other (JAX_EP_TEST_RANKS_PER_HOST=1: no load/store pointer
-    between ranks of different simulated hosts, as across real hosts): initialize reports the unmapped rank, 100
-    low-latency steps with new routing match the reference backend through NVSHMEM puts alone, the bytes put across
-    the boundary (a device counter) are one message per (token, expert on the other host), and normal mode on that
-    axis is refused with an error naming the ranks (tests/gpu/multiprocess/ll_across_hosts.py)."""
+    between ranks of different simulated hosts, as across real hosts): initialize reports the unmapped rank; 100
+    low-latency steps and 100 normal-mode steps with new routing match the reference backend through NVSHMEM puts
+    alone, a gradient through dispatch and combine too; the bytes put across the boundary (a device counter) are one
+    LL message per (token, expert on the other host) and one normal-mode copy per (token, rank on the other host)
+    (tests/gpu/multiprocess/ll_across_hosts.py)."""
     _require(2)
     from jax_ep.runtime import nvshmem as nvshmem_runtime
 
@@ -162,7 +168,7 @@ def test_low_latency_group_across_simulated_hosts():
     script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--timeout", "200", script, "--nvl", "1"],
                env={"JAX_EP_TEST_RANKS_PER_HOST": "1", "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
-    for tag in ("unmapped", "low_latency", "remote_bytes", "normal_refused", "done"):
+    for tag in ("unmapped", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
         assert sorted(_lines(out, tag)) == [0, 1], f"{tag} missing from some rank\n{out}"
     assert _lines(out, "unmapped") == {0: "ranks=[1]", 1: "ranks=[0]"}, out
 

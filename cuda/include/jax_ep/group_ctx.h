@@ -23,6 +23,9 @@ struct GroupCtx {
   int32_t num_ranks;     // R <= kMaxGroupRanks
   uint64_t timeout_ns;   // device waits trap after this long
   int32_t pe[kMaxGroupRanks];  // one process per GPU: NVSHMEM world PE of every rank (NVSHMEM puts); else -1
+  // Normal mode over NVSHMEM (EPConfig.normal_over_nvshmem): bit q = rank q is reached by NVSHMEM puts and signal
+  // ops only (another NVLink domain, or no load/store mapping); never this rank's bit. 0: every rank by pointers.
+  uint32_t remote;
 };
 
 }  // namespace jax_ep

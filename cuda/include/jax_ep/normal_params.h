@@ -78,4 +78,25 @@ struct CombineParams {
   int32_t copy_blocks;
 };
 
+// The row-sending step shared by dispatch and cached dispatch (after the count exchange, or the barrier): one warp
+// per token stores (or, to a remote rank, puts) its row, scales, top-k ids and weights and source index into the
+// staging row send_row_offset[d] + send_pos[t, d] of every destination d. Also the NVSHMEM module's entry point
+// (jax_ep/rdma_ops.h), so it lives here rather than in the kernels' TU.
+struct SendArgs {
+  GroupCtx g;
+  const char* rows;                // [T, row_bytes]
+  const float* scales;             // [T, scale_cols] or nullptr
+  const int32_t* topk_idx;         // [T, K] (dispatch: converted to the destination's local ids) or nullptr
+  const float* weights;            // [T, num_weights] or nullptr
+  const int32_t* send_pos;         // [T, R]
+  const int32_t* send_row_offset;  // [R]
+  int32_t num_tokens;
+  int32_t row_bytes;
+  int32_t scale_cols;
+  int32_t num_weights;             // K (dispatch) or Kw (cached)
+  int32_t capacity;
+  int32_t experts_per_rank;        // L (dispatch)
+  bool write_src_idx;              // dispatch: the source token index of every row
+};
+
 }  // namespace jax_ep::normal

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "jax_ep/ll_params.h"
+#include "jax_ep/normal_params.h"
 #include "jax_ep/status.h"
 
 namespace jax_ep {
@@ -32,5 +33,25 @@ constexpr uint64_t kLowLatencyRdmaAbi =
 // The table the LL handlers launch through (cuda/transport/rdma_ops.cc); nullptr clears it. Error: another ABI.
 Status set_low_latency_rdma_ops(const LowLatencyRdmaOps* ops);
 const LowLatencyRdmaOps* low_latency_rdma_ops();  // nullptr until set
+
+// The normal-mode kernels over NVSHMEM (EPConfig.normal_over_nvshmem: a group wider than one NVLink domain;
+// nvshmem/device/normal_rdma.cu), launched by cuda/kernels/normal_kernels.cu for a group with GroupCtx::remote != 0
+// in place of its own barrier / notify / send / wait kernels. The copy-out and the combine reduction are the NVLink
+// path's (same staging layout).
+struct NormalRdmaOps {
+  uint64_t abi;
+  const char* (*barrier)(const GroupCtx& g, cudaStream_t stream);
+  const char* (*dispatch_notify)(const normal::DispatchParams& p, cudaStream_t stream);
+  const char* (*send_rows)(const normal::SendArgs& a, int blocks, cudaStream_t stream);
+  const char* (*combine_send)(const normal::CombineParams& p, int blocks, cudaStream_t stream);
+  const char* (*wait_data)(const GroupCtx& g, cudaStream_t stream);
+};
+
+constexpr uint64_t kNormalRdmaAbi =
+    (uint64_t{1} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
+    (sizeof(normal::CombineParams) << 12) ^ sizeof(GroupCtx) ^ (sizeof(BufferLayout) << 40);
+
+Status set_normal_rdma_ops(const NormalRdmaOps* ops);
+const NormalRdmaOps* normal_rdma_ops();  // nullptr until set
 
 }  // namespace jax_ep

@@ -33,6 +33,17 @@ struct SignalHeader {
   // u32[2][8]: consumed[h][s] = the last epoch of half h that rank s finished reading (written by s). Per half, so
   // two ops in flight may be received in either order; within a half, epochs n-2, n, n+2 are strictly sequential.
   static constexpr int64_t kLlConsumed = 288;
+
+  // ---- normal mode over NVSHMEM (nvshmem/device/normal_rdma.cu): words of the pairs (s, this rank) with s remote
+  // (GroupCtx::remote). Written by NVSHMEM signal ops of s only, never by GPU atomics: one mechanism per word.
+  static constexpr int64_t kRdmaBarrier = 384;  // u64[8]: barrier arrivals of remote peer s (+1 per op, monotonic)
+  static constexpr int64_t kRdmaCount = 448;    // u64[8]: count puts of remote peer s landed (2 per dispatch; reset)
+  static constexpr int64_t kRdmaData = 512;     // u64[8]: counted signal of remote peer s's rows (reset by the wait)
+  // u32[8]: messages this rank's sending kernel put to rank d so far (summed by its blocks, reset by the last one).
+  static constexpr int64_t kRdmaSent = 576;
+  // u32: barriers of the NVSHMEM kernels this rank completed (kRdmaBarrier[s] counts those of s: only these
+  // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
+  static constexpr int64_t kRdmaEpoch = 608;
 };
 
 namespace signal_header_detail {
@@ -54,6 +65,11 @@ constexpr Word kWords[] = {
     {SignalHeader::kLlInFlight, 4, 4},
     {SignalHeader::kLlFusedToken, 16, 16},  // read and written as one 16-byte vector
     {SignalHeader::kLlConsumed, 4 * 2 * kMaxGroupRanks, 4},
+    {SignalHeader::kRdmaBarrier, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kRdmaCount, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kRdmaData, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kRdmaSent, 4 * kMaxGroupRanks, 4},
+    {SignalHeader::kRdmaEpoch, 4, 4},
 };
 
 constexpr bool fits_and_aligned() {

@@ -35,6 +35,14 @@ struct BufferLayout {
   int64_t topk_idx;        // i32 [rows][K]
   int64_t topk_weights;    // f32 [rows][K]
   int64_t src_idx;         // i32 [rows]
+  // Normal mode over NVSHMEM only (0 otherwise): the sources of this rank's puts, which must be symmetric memory.
+  // Indexed like the rows they carry: dispatch by token t (and destination d), combine by received row.
+  int64_t send_rows;       // rows x payload_stride bytes
+  int64_t send_scales;     // f32 [T_max][ceil(H/128)]
+  int64_t send_idx;        // i32 [T_max][R][K]: the destination's local expert ids (-1 elsewhere)
+  int64_t send_weights;    // f32 [rows][K]: dispatch [t][R][K] (0 where the id is -1), combine [row][K]
+  int64_t send_src;        // i32 [T_max]: t (the source token index the receiver stores)
+  int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
   int64_t total;           // bytes
 };
 
@@ -42,8 +50,10 @@ JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4));
 }
 
+// rdma: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area.
 JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank,
-                                          int64_t num_ranks, int64_t capacity, int64_t num_experts) {
+                                          int64_t num_ranks, int64_t capacity, int64_t num_experts,
+                                          bool rdma = false) {
   BufferLayout b{};
   b.rows = capacity > num_ranks * max_tokens_per_rank ? capacity : num_ranks * max_tokens_per_rank;
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
@@ -56,12 +66,21 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.topk_weights = b.topk_idx + align_up(b.rows * 4 * num_topk);
   b.src_idx = b.topk_weights + align_up(b.rows * 4 * num_topk);
   b.total = b.src_idx + align_up(b.rows * 4);
+  if (rdma) {
+    b.send_rows = b.total;
+    b.send_scales = b.send_rows + align_up(b.rows * b.payload_stride);
+    b.send_idx = b.send_scales + align_up(max_tokens_per_rank * 4 * scale_cols);
+    b.send_weights = b.send_idx + align_up(max_tokens_per_rank * num_ranks * 4 * num_topk);
+    b.send_src = b.send_weights + align_up(b.rows * 4 * num_topk);  // rows >= R * T_max: both uses fit
+    b.expert_out = b.send_src + align_up(max_tokens_per_rank * 4);
+    b.total = b.expert_out + align_up(num_experts * 4);
+  }
   return b;
 }
 
 inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks,
-                                   int64_t capacity, int64_t num_experts) {
-  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts).total;
+                                   int64_t capacity, int64_t num_experts, bool rdma = false) {
+  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts, rdma).total;
 }
 
 // ---- low-latency mode -----------------------------------------------------------------------------------------

@@ -190,10 +190,18 @@ def bits(v):
     return v.view(np.uint16) if v.dtype == jnp.bfloat16 else (v.view(np.uint8) if v.dtype == jnp.float8_e4m3fn else v)
 
 
-# which LL kernels the lowered program calls (rdma = 1: the NVSHMEM kernels; EPConfig.low_latency_over_nvshmem)
+def call_attrs(hlo, target, name):
+    """The values of i32 attribute `name` over the lowered custom calls whose target matches `target`."""
+    return sorted({int(v) for line in hlo.splitlines() if re.search(target, line)
+                   for v in re.findall(rf"\b{name} = (\d+) : i32", line)})
+
+
+# which kernels the lowered program calls (rdma = 1: the NVSHMEM kernels; EPConfig.low_latency_over_nvshmem for the
+# LL targets, EPConfig.normal_over_nvshmem for dispatch / cached dispatch / combine)
 hlo = program(cfgs["cuda"]).trace(*args).lower().as_text()
-result("ll_kernels", rdma=sorted({int(v) for v in re.findall(r"\brdma = (\d+) : i32", hlo)}),
-       nvl_domain=sorted({int(v) for v in re.findall(r"\bnvl_domain = (\d+) : i32", hlo)}))
+LL_TARGETS, NORMAL_TARGETS = r"@jax_ep_ll_", r"@jax_ep_(dispatch|cached_dispatch|combine)_v"
+result("ll_kernels", rdma=call_attrs(hlo, LL_TARGETS, "rdma"), nvl_domain=call_attrs(hlo, LL_TARGETS, "nvl_domain"))
+result("normal_kernels", rdma=call_attrs(hlo, NORMAL_TARGETS, "rdma"))
 got = host(program(cfgs["cuda"])(*args))
 want = host(program(cfgs["reference"])(*args))
 exact = [k for k in got if not k.startswith(("y", "grad", "llfp8"))]

@@ -1,0 +1,210 @@
+// Device code of the normal mode shared by its two kernel sets: the NVLink kernels (normal_kernels.cu, every rank by
+// stores through peer pointers) and the NVSHMEM kernels (nvshmem/device/normal_rdma.cu, remote ranks by puts).
+// Each function here does the transport-free part of a step: the routing layout and the handle counts of dispatch's
+// notify, the staging rows of a token, the stores of a token's row to the destinations given, the stores of one
+// combine row. Both kernel sets fill the same staging layout, so the receive side (copy-out, reduce) is one.
+#pragma once
+
+#include <cstdint>
+
+#include "common/copy.cuh"
+#include "common/ptx.cuh"
+#include "common/routing.cuh"
+#include "common/thread.cuh"
+#include "jax_ep/normal_params.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep::normal {
+
+constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
+// Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores). NOTE: measured on 4x H200, T=4096
+// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; 1024-thread blocks (unroll 4 or 8) were
+// no faster either (bf16 722 / 757 vs 718 us, fp8 443 / 451 vs 425 us). See docs/gpu-notes.md.
+constexpr int kSendUnroll = 8;
+// Combine sender: 8 vectors in flight per lane (one store per load). See the timing NOTE at combine_send_kernel.
+constexpr int kCombineUnroll = 8;
+
+// Dispatch notify, before the barrier: the routing layout of this rank's tokens (send_pos, per-rank counts in
+// sm.rank_base, per-expert counts in s_expert). Called by every thread of the one notify block.
+__device__ __forceinline__ void notify_layout(const DispatchParams& p, routing::BlockSmem& sm, int32_t* s_expert) {
+  routing::Params lp{};
+  lp.topk_idx = p.topk_idx;
+  lp.send_pos = p.send_pos;
+  lp.num_tokens = p.num_tokens;
+  lp.num_topk = p.num_topk;
+  lp.num_experts = p.num_experts;
+  lp.num_ranks = p.g.num_ranks;
+  routing::block_layout(lp, sm, s_expert);
+  __syncthreads();
+}
+
+// Dispatch notify, after every rank's counts have landed in this rank's counts / expert_counts regions: the handle
+// counts and the receive totals. Called by every thread of the notify block; s_counts: [R][R] shared scratch.
+__device__ __forceinline__ void notify_outputs(const DispatchParams& p, int32_t (*s_counts)[kMaxGroupRanks]) {
+  const GroupCtx& g = p.g;
+  const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
+  const char* self = self_base(g);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);
+  if (tid < R * R) s_counts[tid / R][tid % R] = __ldcg(counts + tid);
+  __syncthreads();
+  if (tid < R) {
+    p.recv_rank_counts[tid] = s_counts[tid][me];
+    int32_t off = 0;
+    for (int s = 0; s < me; ++s) off += s_counts[s][tid];
+    p.send_row_offset[tid] = off;
+  }
+  if (tid == 0) {
+    int32_t total = 0;
+    for (int s = 0; s < R; ++s) total += s_counts[s][me];
+    *p.num_recv_tokens = total;
+  }
+  const int32_t* expert_counts = reinterpret_cast<const int32_t*>(self + g.layout.expert_counts);
+  for (int l = tid; l < L; l += blockDim.x) {
+    int32_t n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(expert_counts + s * L + l);
+    p.num_recv_tokens_per_expert[l] = n;
+  }
+}
+
+// The staging row of token t on every rank (-1: not sent there, or cut by that rank's capacity), for the whole warp:
+// rows[d] for d < kMaxGroupRanks.
+__device__ __forceinline__ void token_rows(const SendArgs& a, int t, int32_t* rows) {
+  const int R = a.g.num_ranks, lane = lane_id();
+  int my_row = -1;
+  if (lane < R) {
+    const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * R + lane);
+    if (sp >= 0) {
+      const int32_t row = __ldg(a.send_row_offset + lane) + sp;
+      if (row < a.capacity) my_row = row;
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < kMaxGroupRanks; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
+}
+
+// The destination's view of top-k entry k of token t (SPEC): its local expert id where the expert lives on rank d,
+// else -1 with weight 0. Without ids (cached dispatch) the weight as is.
+__device__ __forceinline__ void local_entry(const SendArgs& a, int t, int k, int d, int32_t* id, float* w) {
+  const int K = a.num_weights;
+  *w = __ldg(a.weights + static_cast<int64_t>(t) * K + k);
+  *id = -1;
+  if (a.topk_idx == nullptr) return;
+  int32_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + k);
+  if (!routing::valid_expert(e, a.experts_per_rank * a.g.num_ranks)) e = -1;
+  *id = (e >= 0 && e / a.experts_per_rank == d) ? e - d * a.experts_per_rank : -1;
+  if (*id < 0) *w = 0.0f;
+}
+
+// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank d with
+// rows[d] >= 0, through g.peers.base[d]: one warp, 16-byte vectors, each loaded once and stored to every
+// destination. The caller clears rows[d] of ranks it reaches otherwise (puts).
+__device__ __forceinline__ void store_token(const SendArgs& a, int t, const int32_t* rows) {
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int lane = lane_id();
+  const int n16 = a.row_bytes / 16;
+  const int4* src = reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes);
+  for (int base = 0; base < n16; base += 32 * kSendUnroll) {
+    int4 v[kSendUnroll];
+#pragma unroll
+    for (int j = 0; j < kSendUnroll; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n16) v[j] = ld_nc_v4(src + i);
+    }
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d) {
+      if (rows[d] < 0) continue;
+      int4* dst = reinterpret_cast<int4*>(g.peers.base[d] + B.payload + static_cast<int64_t>(rows[d]) * a.row_bytes);
+#pragma unroll
+      for (int j = 0; j < kSendUnroll; ++j) {
+        const int i = base + j * 32 + lane;
+        if (i < n16) st_v4(dst + i, v[j]);
+      }
+    }
+  }
+  for (int j = lane; j < a.scale_cols; j += 32) {
+    const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d)
+      if (rows[d] >= 0)
+        reinterpret_cast<float*>(g.peers.base[d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
+  }
+  if (lane < a.num_weights) {
+    const int k = lane, K = a.num_weights;
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d) {
+      if (rows[d] < 0) continue;
+      int32_t id;
+      float w;
+      local_entry(a, t, k, d, &id, &w);
+      const int64_t at = static_cast<int64_t>(rows[d]) * K + k;
+      if (a.topk_idx != nullptr) reinterpret_cast<int32_t*>(g.peers.base[d] + B.topk_idx)[at] = id;
+      reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = w;
+    }
+  }
+  if (a.write_src_idx && lane == 0) {
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d)
+      if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[d] + B.src_idx)[rows[d]] = t;
+  }
+}
+
+// Copies `bytes` (a multiple of 16) from src to dst with one warp, kCombineUnroll vectors in flight per lane.
+__device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int bytes) {
+  const int n16 = bytes / 16, lane = lane_id();
+  for (int base_i = 0; base_i < n16; base_i += 32 * kCombineUnroll) {
+    int4 v[kCombineUnroll];
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int i = base_i + u * 32 + lane;
+      if (i < n16) v[u] = ld_nc_v4(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int i = base_i + u * 32 + lane;
+      if (i < n16) st_v4(dst + i, v[u]);
+    }
+  }
+}
+
+// Combine, every thread of a block: the rows [s_begin[s], s_end[s]) of staging that came from rank s (the handle's
+// recv_rank_counts, cut by the capacity) and s_span = the most rows of any other rank. Shared-memory outputs.
+__device__ __forceinline__ void combine_source_spans(const CombineParams& p, int32_t* s_begin, int32_t* s_end,
+                                                     int32_t* s_span) {
+  if (threadIdx.x == 0) {
+    int32_t off = 0, span = 0;
+    for (int s = 0; s < p.g.num_ranks; ++s) {
+      const int32_t n = p.recv_rank_counts[s];
+      s_begin[s] = min(off, p.capacity);  // rows past the capacity never arrived
+      s_end[s] = min(off + n, p.capacity);
+      if (s != p.g.rank) span = max(span, s_end[s] - s_begin[s]);
+      off += n;
+    }
+    *s_span = span;
+  }
+  __syncthreads();
+}
+
+// Combine: the received row `row` of the source rank, its (rank, token) checked, or -1 for padding / a row the
+// handle does not attribute to `from` (a handle from dispatch always has recv_src_rank[row] == from).
+__device__ __forceinline__ int32_t combine_row_token(const CombineParams& p, int32_t row, int from) {
+  const int32_t s = __ldg(p.recv_src_rank + row), t = __ldg(p.recv_src_idx + row);
+  if (s < 0 || s >= p.g.num_ranks || t < 0 || t >= p.max_tokens_per_rank || s != from) return -1;
+  return t;
+}
+
+// Combine, one warp: received row `row` (values and its Kw weights) into slot `slot` = [this rank][token] of the
+// staging at `base` (the source's buffer, as this device addresses it).
+__device__ __forceinline__ void store_combine_row(const CombineParams& p, char* base, int64_t slot, int32_t row) {
+  const BufferLayout& B = p.g.layout;
+  const int lane = lane_id();
+  warp_copy_row(reinterpret_cast<int4*>(base + B.payload + slot * p.row_bytes),
+                reinterpret_cast<const int4*>(static_cast<const char*>(p.values) + static_cast<int64_t>(row) *
+                                              p.row_bytes),
+                p.row_bytes);
+  if (lane < p.num_weights)
+    reinterpret_cast<float*>(base + B.topk_weights)[slot * p.num_weights + lane] =
+        __ldg(p.weights + static_cast<int64_t>(row) * p.num_weights + lane);
+}
+
+}  // namespace jax_ep::normal

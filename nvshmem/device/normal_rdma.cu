@@ -1,0 +1,382 @@
+// Normal mode over NVSHMEM (EPConfig.normal_over_nvshmem: a group wider than one NVLink domain, one process per
+// GPU): the barrier, the count exchange, the row sending of dispatch / cached dispatch / combine and the receive
+// wait, for a group where some ranks are *remote* (GroupCtx::remote: another NVLink domain of num_max_nvl_peers
+// ranks, or no load/store mapping). Ranks of this rank's domain keep the NVLink kernels' stores and flags
+// (normal_device.cuh, transport/peer.cuh); remote ranks get the same bytes at the same staging positions through
+// NVSHMEM puts, so the copy-out and the combine reduction (cuda/kernels/normal_kernels.cu) are unchanged.
+//   barrier     remote pair: an NVSHMEM signal ADD of 1 to kRdmaBarrier[me] at the peer per op, waited for against
+//               this rank's own count of such barriers (kRdmaEpoch); direct pair: the NVLink barrier's words.
+//   counts      remote pair: two put-with-signal (my row of the count matrix, my per-expert counts of the peer's
+//               experts), each +1 on kRdmaCount[me] at the peer; the peer waits for 2 and resets the word.
+//   rows        remote pair: the token's row, scales, ids, weights and source index staged once in this rank's send
+//               area (symmetric memory: a put's source must be), then one counted put-with-signal per piece into
+//               the peer's staging (counted_signal.cuh: +1 on kRdmaData[me] after the bytes); the last block to
+//               finish announces each peer's piece count (one signal ADD) and flags the direct peers as before.
+//   wait        remote source: its counted word complete, NVSHMEM's wait once (the transport's consistency step),
+//               reset to 0; direct source: the NVLink data flag.
+// One mechanism per word: the kRdma* words of a pair are only touched by NVSHMEM signal ops of the remote peer and
+// by this rank's own loads / resets; the NVLink words only by GPU stores and atomics of direct peers.
+// Traffic: one copy per (token, destination rank) crosses the domain boundary; forwarding one copy per destination
+// *node* through the node's NVLink peers (DeepEP's hierarchical kernels) is not built (docs/INTERNODE.md).
+// NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
+// its previous op's wait kernel, which saw every peer's pieces complete; so no put of op n is in flight, and no
+// counted word is non-zero, when op n + 1 writes the send area or sends.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdio>
+
+#include "common/preload.cuh"
+#include "device/counted_signal.cuh"
+#include "device/normal_rdma.h"
+#include "device/remote_puts.cuh"
+#include "kernels/normal_device.cuh"
+
+namespace jax_ep::rdma {
+namespace {
+
+using namespace jax_ep::normal;  // NOLINT
+
+__device__ __forceinline__ bool is_remote(const GroupCtx& g, int d) { return (g.remote >> d) & 1u; }
+
+// pe_of(g, d) by an unrolled select (a dynamic index into the by-value parameter would copy it to local memory).
+__device__ __forceinline__ int pe_of(const GroupCtx& g, int d) {
+  int pe = -1;
+#pragma unroll
+  for (int i = 0; i < kMaxGroupRanks; ++i)
+    if (i == d) pe = g.pe[i];
+  return pe;
+}
+
+__device__ __forceinline__ uint64_t* rdma_word(const GroupCtx& g, int64_t offset, int index) {
+  return reinterpret_cast<uint64_t*>(self_base(g) + offset) + index;
+}
+
+// Bounded wait until the low 32 bits of a monotonic u64 signal word reach `target` (wrap-safe); traps after
+// g.timeout_ns naming the peer.
+__device__ __forceinline__ void wait_word_reached(uint64_t* word, uint32_t target, const GroupCtx& g,
+                                                  const char* what, int peer) {
+  if (reached(static_cast<uint32_t>(nvshmem_signal_fetch(word)), target)) return;
+  const uint64_t start = global_timer_ns();
+  while (!reached(static_cast<uint32_t>(nvshmem_signal_fetch(word)), target)) {
+    if (global_timer_ns() - start > g.timeout_ns) {
+      printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d has not arrived (count %u, want %u); "
+             "a peer is missing or runs another program. Trapping.\n",
+             static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer,
+             static_cast<uint32_t>(nvshmem_signal_fetch(word)), target);
+      __trap();
+    }
+  }
+}
+
+// Bounded wait for a complete counted word (counted_signal.cuh), then NVSHMEM's wait once (returns at once; on
+// proxy transports it makes the NIC's data writes visible), a reset for the next op and a system fence: the rows
+// the word vouches for are read after it.
+__device__ __forceinline__ void wait_complete_and_reset(uint64_t* word, const GroupCtx& g, const char* what,
+                                                        int peer) {
+  uint64_t seen = 0;
+  if (!wait_complete(word, g.timeout_ns, &seen)) {
+    printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d sent %u pieces, announced %d; a peer is "
+           "missing or runs another program. Trapping.\n",
+           static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer, static_cast<uint32_t>(seen),
+           static_cast<int>(seen >> kAnnounceShift) - 1);
+    __trap();
+  }
+  nvshmem_signal_wait_until(word, NVSHMEM_CMP_GE, seen);
+  *reinterpret_cast<volatile uint64_t*>(word) = 0;
+  __threadfence_system();
+}
+
+// The barrier of transport/peer.cuh (group_barrier_block) with remote pairs signalled through NVSHMEM. Called by
+// every thread of one block (blockDim >= R). Returns the op's epoch (kBarrierEpoch, shared with the NVLink
+// kernels: the direct pairs' data and count flags carry it).
+__device__ uint32_t rdma_barrier_block(const GroupCtx& g, const char* what) {
+  char* self = self_base(g);
+  const uint32_t epoch = current_epoch(g) + 1;
+  const uint32_t rdma_epoch = *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kRdmaEpoch) + 1;
+  __syncthreads();  // everyone has read the old epochs before thread 0 advances them below
+  const int tid = threadIdx.x;
+  if (tid < g.num_ranks) {
+    if (is_remote(g, tid)) {
+      nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaBarrier, g.rank), 1, NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
+      wait_word_reached(rdma_word(g, SignalHeader::kRdmaBarrier, tid), rdma_epoch, g, what, tid);
+    } else {
+      red_add_release_sys(header_word(peer_base(g, tid), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
+      wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * tid), epoch, g.timeout_ns, what, g.rank, tid);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kBarrierEpoch) = epoch;
+    *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kRdmaEpoch) = rdma_epoch;
+  }
+  return epoch;
+}
+
+__global__ void __launch_bounds__(32, 1) rdma_barrier_kernel(const GroupCtx g) {
+  rdma_barrier_block(g, "barrier (NVSHMEM)");
+}
+
+// Dispatch step 1 (one block): layout, barrier, count exchange (stores to direct ranks, two counted puts to each
+// remote rank), handle counts.
+__global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const DispatchParams p) {
+  __shared__ routing::BlockSmem sm;
+  __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
+  extern __shared__ int32_t s_expert[];  // [E]
+  const GroupCtx& g = p.g;
+  const BufferLayout& B = g.layout;
+  const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
+  char* self = self_base(g);
+  notify_layout(p, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
+
+  const uint32_t epoch = rdma_barrier_block(g, "dispatch notify barrier (NVSHMEM)");
+
+  // Direct ranks (this one included, whose row is also the source of the puts) by stores; my per-expert counts
+  // into the send area, the source of the remote ranks' slices.
+  for (int i = tid; i < R * R; i += blockDim.x) {
+    const int d = i / R, c = i % R;
+    if (!is_remote(g, d)) reinterpret_cast<int32_t*>(peer_base(g, d) + B.counts)[me * R + c] = sm.rank_base[c];
+  }
+  for (int i = tid; i < R * L; i += blockDim.x) {
+    const int d = i / L, l = i % L;
+    if (!is_remote(g, d))
+      reinterpret_cast<int32_t*>(peer_base(g, d) + B.expert_counts)[me * L + l] = s_expert[d * L + l];
+  }
+  for (int e = tid; e < p.num_experts; e += blockDim.x) reinterpret_cast<int32_t*>(self + B.expert_out)[e] = s_expert[e];
+  __threadfence();  // the puts below read these from memory
+  __syncthreads();
+  if (tid < R) {
+    if (is_remote(g, tid)) {
+      uint64_t* word = rdma_word(g, SignalHeader::kRdmaCount, me);
+      char* row = self + B.counts + 4 * static_cast<int64_t>(me) * R;
+      nvshmem_putmem_signal_nbi(row, row, 4 * R, word, 1, NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
+      nvshmem_putmem_signal_nbi(self + B.expert_counts + 4 * static_cast<int64_t>(me) * L,
+                                self + B.expert_out + 4 * static_cast<int64_t>(tid) * L, 4 * L, word, 1,
+                                NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
+    } else {
+      signal_peer(g, tid, SignalHeader::kCountFlag, epoch);
+    }
+  }
+  if (tid < R) {
+    if (is_remote(g, tid)) {
+      uint64_t* word = rdma_word(g, SignalHeader::kRdmaCount, tid);
+      wait_word_reached(word, 2u, g, "dispatch count exchange (NVSHMEM)", tid);
+      nvshmem_signal_wait_until(word, NVSHMEM_CMP_GE, 2);
+      *reinterpret_cast<volatile uint64_t*>(word) = 0;  // both puts landed: nothing more comes this op
+      __threadfence_system();
+    } else {
+      wait_peer(g, tid, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
+    }
+  }
+  __syncthreads();
+  notify_outputs(p, s_counts);
+}
+
+// End of a sending kernel, every thread of every block: the block's pieces per remote rank go into kRdmaSent; the
+// last block to finish announces them (one signal ADD per remote rank, zero pieces included) and flags every direct
+// rank (finish_and_signal_data of the NVLink kernels).
+__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch, const uint32_t* s_sent) {
+  __syncthreads();
+  char* self = self_base(g);
+  uint32_t* sent = reinterpret_cast<uint32_t*>(self + SignalHeader::kRdmaSent);
+  if (static_cast<int>(threadIdx.x) < g.num_ranks && s_sent[threadIdx.x] != 0u) {
+    atomicAdd(sent + threadIdx.x, s_sent[threadIdx.x]);
+    __threadfence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's stores to direct peers happen before it is counted
+    uint32_t* done = header_word(self, SignalHeader::kBlockDone);
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      atomicExch(done, 0u);  // every block has counted itself: reset for the next op
+      __threadfence();
+      for (int d = 0; d < g.num_ranks; ++d) {
+        if (is_remote(g, d)) {
+          const uint32_t n = atomicExch(sent + d, 0u);
+          nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(n), NVSHMEM_SIGNAL_ADD,
+                             pe_of(g, d));
+        } else {
+          signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+        }
+      }
+    }
+  }
+}
+
+// Dispatch / cached dispatch rows: one warp per token. Direct destinations get the NVLink stores; for remote ones
+// the token is staged once in the send area and put piece by piece (row, fp8 scales, local ids, weights, source
+// index) into the same staging row the stores would fill.
+__global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const SendArgs a) {
+  __shared__ uint32_t s_sent[kMaxGroupRanks];
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, lane = lane_id(), K = a.num_weights;
+  if (threadIdx.x < kMaxGroupRanks) s_sent[threadIdx.x] = 0u;
+  __syncthreads();
+  const uint32_t epoch = current_epoch(g);
+  char* self = self_base(g);
+  uint64_t* word = rdma_word(g, SignalHeader::kRdmaData, g.rank);  // my word at every receiver
+
+  for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+    int32_t rows[kMaxGroupRanks], direct[kMaxGroupRanks];
+    token_rows(a, t, rows);
+    bool any_remote = false;
+#pragma unroll
+    for (int d = 0; d < kMaxGroupRanks; ++d) {
+      const bool remote = rows[d] >= 0 && is_remote(g, d);
+      direct[d] = remote ? -1 : rows[d];
+      any_remote |= remote;
+    }
+    store_token(a, t, direct);
+    if (!any_remote) continue;
+
+    char* s_row = self + B.send_rows + static_cast<int64_t>(t) * a.row_bytes;
+    warp_copy_row(reinterpret_cast<int4*>(s_row), reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) *
+                                                                                      a.row_bytes),
+                  a.row_bytes);
+    float* s_scales = reinterpret_cast<float*>(self + B.send_scales) + static_cast<int64_t>(t) * a.scale_cols;
+    for (int j = lane; j < a.scale_cols; j += 32) s_scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
+    int32_t* s_idx = reinterpret_cast<int32_t*>(self + B.send_idx) + static_cast<int64_t>(t) * R * K;
+    float* s_w = reinterpret_cast<float*>(self + B.send_weights) + static_cast<int64_t>(t) * R * K;
+    if (lane < K) {
+      for (int d = 0; d < R; ++d) {
+        if (direct[d] >= 0 || rows[d] < 0) continue;
+        int32_t id;
+        float w;
+        local_entry(a, t, lane, d, &id, &w);
+        s_idx[d * K + lane] = id;
+        s_w[d * K + lane] = w;
+      }
+    }
+    int32_t* s_src = reinterpret_cast<int32_t*>(self + B.send_src) + t;
+    if (a.write_src_idx && lane == 0) *s_src = t;
+    __threadfence();  // the staged bytes are in memory before a put reads them
+    __syncwarp();
+
+    for (int d = 0; d < R; ++d) {
+      if (direct[d] >= 0 || rows[d] < 0) continue;
+      const int pe = pe_of(g, d);
+      const int64_t row = rows[d];
+      uint32_t pieces = 1;
+      put_counted(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, word, pe);
+      if (a.scale_cols > 0) {
+        put_counted(self + B.scales + row * 4 * a.scale_cols, reinterpret_cast<const char*>(s_scales),
+                    4 * a.scale_cols, word, pe);
+        ++pieces;
+      }
+      if (K > 0 && a.topk_idx != nullptr) {
+        put_counted(self + B.topk_idx + row * 4 * K, reinterpret_cast<const char*>(s_idx + d * K), 4 * K, word, pe);
+        ++pieces;
+      }
+      if (K > 0) {
+        put_counted(self + B.topk_weights + row * 4 * K, reinterpret_cast<const char*>(s_w + d * K), 4 * K, word, pe);
+        ++pieces;
+      }
+      if (a.write_src_idx) {
+        put_counted(self + B.src_idx + row * 4, reinterpret_cast<const char*>(s_src), 4, word, pe);
+        ++pieces;
+      }
+      if (lane == 0) atomicAdd(&s_sent[d], pieces);
+    }
+  }
+  finish_and_announce(g, epoch, s_sent);
+}
+
+// Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
+// the send area (indexed by the received row) and put with its weights into the source's slot [me][token].
+__global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const CombineParams p) {
+  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
+  __shared__ uint32_t s_sent[kMaxGroupRanks];
+  const GroupCtx& g = p.g;
+  const BufferLayout& B = g.layout;
+  const int R = g.num_ranks, me = g.rank, lane = lane_id(), Kw = p.num_weights;
+  if (threadIdx.x < kMaxGroupRanks) s_sent[threadIdx.x] = 0u;
+  const uint32_t epoch = current_epoch(g);
+  combine_source_spans(p, s_begin, s_end, &s_span);  // (its __syncthreads also covers s_sent)
+  char* self = self_base(g);
+  uint64_t* word = rdma_word(g, SignalHeader::kRdmaData, me);
+  const int num_src = R - 1;
+  const int64_t total = static_cast<int64_t>(num_src) * s_span;
+
+  for (int64_t j = global_warp(); j < total; j += num_global_warps()) {
+    const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
+    const int32_t row = s_begin[from] + static_cast<int32_t>(j / num_src);
+    if (row >= s_end[from]) continue;
+    const int32_t t = combine_row_token(p, row, from);
+    if (t < 0) continue;
+    const int64_t slot = static_cast<int64_t>(me) * p.max_tokens_per_rank + t;
+    if (!is_remote(g, from)) {
+      store_combine_row(p, peer_base(g, from), slot, row);
+      continue;
+    }
+    char* s_row = self + B.send_rows + static_cast<int64_t>(row) * p.row_bytes;
+    warp_copy_row(reinterpret_cast<int4*>(s_row),
+                  reinterpret_cast<const int4*>(static_cast<const char*>(p.values) + static_cast<int64_t>(row) *
+                                                p.row_bytes),
+                  p.row_bytes);
+    float* s_w = reinterpret_cast<float*>(self + B.send_weights) + static_cast<int64_t>(row) * Kw;
+    if (lane < Kw) s_w[lane] = __ldg(p.weights + static_cast<int64_t>(row) * Kw + lane);
+    __threadfence();
+    __syncwarp();
+    const int pe = pe_of(g, from);
+    put_counted(self + B.payload + slot * p.row_bytes, s_row, p.row_bytes, word, pe);
+    if (Kw > 0) put_counted(self + B.topk_weights + slot * 4 * Kw, reinterpret_cast<const char*>(s_w), 4 * Kw, word, pe);
+    if (lane == 0) atomicAdd(&s_sent[from], Kw > 0 ? 2u : 1u);
+  }
+  finish_and_announce(g, epoch, s_sent);
+}
+
+// Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until every rank's rows of this op are in
+// this rank's staging.
+__global__ void __launch_bounds__(32, 1) rdma_wait_data_kernel(const GroupCtx g) {
+  const int s = threadIdx.x;
+  if (s >= g.num_ranks) return;
+  if (is_remote(g, s))
+    wait_complete_and_reset(rdma_word(g, SignalHeader::kRdmaData, s), g, "receive (NVSHMEM, data from peers)", s);
+  else
+    wait_peer(g, s, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
+}
+
+int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
+
+// ---- launchers (the NormalRdmaOps entries) ------------------------------------------------------------------------
+const char* barrier(const GroupCtx& g, cudaStream_t stream) {
+  rdma_barrier_kernel<<<1, 32, 0, stream>>>(g);
+  return launch_error("normal-mode barrier (NVSHMEM)");
+}
+
+const char* dispatch_notify(const DispatchParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
+  rdma_notify_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
+  return launch_error("dispatch notify (NVSHMEM)");
+}
+
+const char* send_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
+  rdma_send_rows_kernel<<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
+  return launch_error("dispatch send (NVSHMEM)");
+}
+
+const char* combine_send(const CombineParams& p, int blocks, cudaStream_t stream) {
+  rdma_combine_send_kernel<<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(p);
+  return launch_error("combine send (NVSHMEM)");
+}
+
+const char* wait_data(const GroupCtx& g, cudaStream_t stream) {
+  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(g);
+  return launch_error("normal-mode receive wait (NVSHMEM)");
+}
+
+const NormalRdmaOps kOps = {kNormalRdmaAbi, &barrier, &dispatch_notify, &send_rows, &combine_send, &wait_data};
+
+}  // namespace
+
+const NormalRdmaOps* normal_ops() { return &kOps; }
+
+Status preload_normal_kernels() {
+  return preload({reinterpret_cast<const void*>(rdma_barrier_kernel), reinterpret_cast<const void*>(rdma_notify_kernel),
+                  reinterpret_cast<const void*>(rdma_send_rows_kernel),
+                  reinterpret_cast<const void*>(rdma_combine_send_kernel),
+                  reinterpret_cast<const void*>(rdma_wait_data_kernel)});
+}
+
+}  // namespace jax_ep::rdma
