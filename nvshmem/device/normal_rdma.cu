@@ -9,10 +9,15 @@
 //   counts      remote pair: two put-with-signal (my row of the count matrix, my per-expert counts of the peer's
 //               experts), each +1 on kRdmaCount[me] at the peer; the peer waits for 2 and resets the word.
 //   rows        remote pair: the token's row, scales, ids, weights and source index staged once in this rank's send
-//               area (symmetric memory: a put's source must be), then one counted put-with-signal per piece into
-//               the peer's staging (counted_signal.cuh: +1 on kRdmaData[me] after the bytes); the last block to
-//               finish announces each peer's piece count (one signal ADD) and flags the direct peers as before.
-//   wait        remote source: its counted word complete, NVSHMEM's wait once (the transport's consistency step),
+//               area (symmetric memory: a put's source must be), then one non-blocking put per piece into the
+//               peer's staging; every warp ends its puts with nvshmem_quiet (delivered, on any transport), and the
+//               last block to finish announces completion to each remote peer (one signal ADD of a counted word
+//               with zero counted messages, counted_signal.cuh) and flags the direct peers as before.
+//               NOTE (why not a put-with-signal per piece, as the LL kernels): 2x H200, EP2, T=4096, H=7168: a
+//               counted signal per piece (5 per token and peer: each a system fence) cost 589 us for bf16 dispatch,
+//               against 331 us for the NVLink kernels; the LL kernels need per-message signals (no grid-wide end
+//               before the receiver reads), normal mode has one.
+//   wait        remote source: its word announced, NVSHMEM's wait once (the transport's consistency step),
 //               reset to 0; direct source: the NVLink data flag.
 // One mechanism per word: the kRdma* words of a pair are only touched by NVSHMEM signal ops of the remote peer and
 // by this rank's own loads / resets; the NVLink words only by GPU stores and atomics of direct peers.
@@ -76,7 +81,7 @@ __device__ __forceinline__ void wait_complete_and_reset(uint64_t* word, const Gr
                                                         int peer) {
   uint64_t seen = 0;
   if (!wait_complete(word, g.timeout_ns, &seen)) {
-    printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d sent %u pieces, announced %d; a peer is "
+    printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d word %u, announced %d; a peer is "
            "missing or runs another program. Trapping.\n",
            static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer, static_cast<uint32_t>(seen),
            static_cast<int>(seen >> kAnnounceShift) - 1);
@@ -172,28 +177,20 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const Di
   notify_outputs(p, s_counts);
 }
 
-// End of a sending kernel, every thread of every block: the block's pieces per remote rank go into kRdmaSent; the
-// last block to finish announces them (one signal ADD per remote rank, zero pieces included) and flags every direct
-// rank (finish_and_signal_data of the NVLink kernels).
-__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch, const uint32_t* s_sent) {
-  __syncthreads();
-  char* self = self_base(g);
-  uint32_t* sent = reinterpret_cast<uint32_t*>(self + SignalHeader::kRdmaSent);
-  if (static_cast<int>(threadIdx.x) < g.num_ranks && s_sent[threadIdx.x] != 0u) {
-    atomicAdd(sent + threadIdx.x, s_sent[threadIdx.x]);
-    __threadfence();
-  }
+// End of a sending kernel, every thread of every block, after each warp's nvshmem_quiet: the last block to finish
+// announces completion to every remote rank (a counted word with zero counted messages: complete at once) and
+// flags every direct rank (finish_and_signal_data of the NVLink kernels).
+__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();  // this block's stores to direct peers happen before it is counted
-    uint32_t* done = header_word(self, SignalHeader::kBlockDone);
+    uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       atomicExch(done, 0u);  // every block has counted itself: reset for the next op
-      __threadfence();
+      __threadfence_system();  // every block's quiet (its puts delivered) happens before the announcements
       for (int d = 0; d < g.num_ranks; ++d) {
         if (is_remote(g, d)) {
-          const uint32_t n = atomicExch(sent + d, 0u);
-          nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(n), NVSHMEM_SIGNAL_ADD,
+          nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(0), NVSHMEM_SIGNAL_ADD,
                              pe_of(g, d));
         } else {
           signal_peer(g, d, SignalHeader::kDataFlag, epoch);
@@ -207,15 +204,12 @@ __device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t 
 // the token is staged once in the send area and put piece by piece (row, fp8 scales, local ids, weights, source
 // index) into the same staging row the stores would fill.
 __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const SendArgs a) {
-  __shared__ uint32_t s_sent[kMaxGroupRanks];
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, lane = lane_id(), K = a.num_weights;
-  if (threadIdx.x < kMaxGroupRanks) s_sent[threadIdx.x] = 0u;
-  __syncthreads();
   const uint32_t epoch = current_epoch(g);
   char* self = self_base(g);
-  uint64_t* word = rdma_word(g, SignalHeader::kRdmaData, g.rank);  // my word at every receiver
+  bool put_any = false;
 
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
     int32_t rows[kMaxGroupRanks], direct[kMaxGroupRanks];
@@ -229,6 +223,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
     }
     store_token(a, t, direct);
     if (!any_remote) continue;
+    put_any = true;
 
     char* s_row = self + B.send_rows + static_cast<int64_t>(t) * a.row_bytes;
     warp_copy_row(reinterpret_cast<int4*>(s_row), reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) *
@@ -257,44 +252,31 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
       if (direct[d] >= 0 || rows[d] < 0) continue;
       const int pe = pe_of(g, d);
       const int64_t row = rows[d];
-      uint32_t pieces = 1;
-      put_counted(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, word, pe);
-      if (a.scale_cols > 0) {
-        put_counted(self + B.scales + row * 4 * a.scale_cols, reinterpret_cast<const char*>(s_scales),
-                    4 * a.scale_cols, word, pe);
-        ++pieces;
-      }
-      if (K > 0 && a.topk_idx != nullptr) {
-        put_counted(self + B.topk_idx + row * 4 * K, reinterpret_cast<const char*>(s_idx + d * K), 4 * K, word, pe);
-        ++pieces;
-      }
-      if (K > 0) {
-        put_counted(self + B.topk_weights + row * 4 * K, reinterpret_cast<const char*>(s_w + d * K), 4 * K, word, pe);
-        ++pieces;
-      }
-      if (a.write_src_idx) {
-        put_counted(self + B.src_idx + row * 4, reinterpret_cast<const char*>(s_src), 4, word, pe);
-        ++pieces;
-      }
-      if (lane == 0) atomicAdd(&s_sent[d], pieces);
+      put_plain(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, pe);
+      if (a.scale_cols > 0)
+        put_plain(self + B.scales + row * 4 * a.scale_cols, reinterpret_cast<const char*>(s_scales),
+                  4 * a.scale_cols, pe);
+      if (K > 0 && a.topk_idx != nullptr)
+        put_plain(self + B.topk_idx + row * 4 * K, reinterpret_cast<const char*>(s_idx + d * K), 4 * K, pe);
+      if (K > 0) put_plain(self + B.topk_weights + row * 4 * K, reinterpret_cast<const char*>(s_w + d * K), 4 * K, pe);
+      if (a.write_src_idx) put_plain(self + B.src_idx + row * 4, reinterpret_cast<const char*>(s_src), 4, pe);
     }
   }
-  finish_and_announce(g, epoch, s_sent);
+  if (put_any) nvshmem_quiet();  // this warp's puts (every lane issued part of them) are delivered
+  finish_and_announce(g, epoch);
 }
 
 // Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
 // the send area (indexed by the received row) and put with its weights into the source's slot [me][token].
 __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
-  __shared__ uint32_t s_sent[kMaxGroupRanks];
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, me = g.rank, lane = lane_id(), Kw = p.num_weights;
-  if (threadIdx.x < kMaxGroupRanks) s_sent[threadIdx.x] = 0u;
   const uint32_t epoch = current_epoch(g);
-  combine_source_spans(p, s_begin, s_end, &s_span);  // (its __syncthreads also covers s_sent)
+  combine_source_spans(p, s_begin, s_end, &s_span);
   char* self = self_base(g);
-  uint64_t* word = rdma_word(g, SignalHeader::kRdmaData, me);
+  bool put_any = false;
   const int num_src = R - 1;
   const int64_t total = static_cast<int64_t>(num_src) * s_span;
 
@@ -319,11 +301,12 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const C
     __threadfence();
     __syncwarp();
     const int pe = pe_of(g, from);
-    put_counted(self + B.payload + slot * p.row_bytes, s_row, p.row_bytes, word, pe);
-    if (Kw > 0) put_counted(self + B.topk_weights + slot * 4 * Kw, reinterpret_cast<const char*>(s_w), 4 * Kw, word, pe);
-    if (lane == 0) atomicAdd(&s_sent[from], Kw > 0 ? 2u : 1u);
+    put_plain(self + B.payload + slot * p.row_bytes, s_row, p.row_bytes, pe);
+    if (Kw > 0) put_plain(self + B.topk_weights + slot * 4 * Kw, reinterpret_cast<const char*>(s_w), 4 * Kw, pe);
+    put_any = true;
   }
-  finish_and_announce(g, epoch, s_sent);
+  if (put_any) nvshmem_quiet();
+  finish_and_announce(g, epoch);
 }
 
 // Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until every rank's rows of this op are in

@@ -1,6 +1,6 @@
 // What every NVSHMEM kernel set of this module (ll_rdma.cu, normal_rdma.cu) shares about its puts to remote ranks:
-// the counted message (put-with-signal, +1 after the bytes), the test hook's device byte counter, and the launch
-// error text of the ops tables.
+// the counted message (put-with-signal, +1 after the bytes), the plain put (completed by a quiet), the test hook's
+// device byte counter, and the launch error text of the ops tables.
 // NOTE: only for TUs of jax_ep._jax_ep_nvshmem (relocatable device code: the counter is defined once, in ll_rdma.cu).
 #pragma once
 
@@ -24,6 +24,13 @@ extern __device__ unsigned long long g_remote_bytes;
 // at `pe` after the bytes. `src` must be symmetric memory (a send slot), complete and fenced before the call.
 __device__ __forceinline__ void put_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe) {
   nvshmemx_putmem_signal_nbi_warp(dst_sym, src, bytes, word_sym, 1, NVSHMEM_SIGNAL_ADD, pe);
+  if (g_count_remote_bytes && lane_id() == 0) atomicAdd(&g_remote_bytes, static_cast<unsigned long long>(bytes));
+}
+
+// A put to a remote peer from a warp (every lane calls it), completed later by the caller's nvshmem_quiet.
+// `src` must be symmetric memory, complete and fenced before the call.
+__device__ __forceinline__ void put_plain(char* dst_sym, const char* src, int bytes, int pe) {
+  nvshmemx_putmem_nbi_warp(dst_sym, src, bytes, pe);
   if (g_count_remote_bytes && lane_id() == 0) atomicAdd(&g_remote_bytes, static_cast<unsigned long long>(bytes));
 }
 

@@ -38,12 +38,10 @@ struct SignalHeader {
   // (GroupCtx::remote). Written by NVSHMEM signal ops of s only, never by GPU atomics: one mechanism per word.
   static constexpr int64_t kRdmaBarrier = 384;  // u64[8]: barrier arrivals of remote peer s (+1 per op, monotonic)
   static constexpr int64_t kRdmaCount = 448;    // u64[8]: count puts of remote peer s landed (2 per dispatch; reset)
-  static constexpr int64_t kRdmaData = 512;     // u64[8]: counted signal of remote peer s's rows (reset by the wait)
-  // u32[8]: messages this rank's sending kernel put to rank d so far (summed by its blocks, reset by the last one).
-  static constexpr int64_t kRdmaSent = 576;
+  static constexpr int64_t kRdmaData = 512;     // u64[8]: remote peer s's rows delivered (announce; reset by the wait)
   // u32: barriers of the NVSHMEM kernels this rank completed (kRdmaBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
-  static constexpr int64_t kRdmaEpoch = 608;
+  static constexpr int64_t kRdmaEpoch = 576;
 };
 
 namespace signal_header_detail {
@@ -68,7 +66,6 @@ constexpr Word kWords[] = {
     {SignalHeader::kRdmaBarrier, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kRdmaCount, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kRdmaData, 8 * kMaxGroupRanks, 8},
-    {SignalHeader::kRdmaSent, 4 * kMaxGroupRanks, 4},
     {SignalHeader::kRdmaEpoch, 4, 4},
 };
 
