@@ -101,6 +101,15 @@ def test_normal_buffer_bytes_by_hand():
         2304 + 469762048 + 3670016 + 1048576 + 65536)
 
 
+def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
+    # rdma (EPConfig.normal_over_nvshmem): the send area after src_idx, each piece aligned to 256:
+    #   send_rows align256(rows 10 * 512) = 5120; send_scales align256(T_max 4 * 4 * 1) = 256;
+    #   send_idx align256(4 * R 2 * 4 * K 2 = 64) = 256; send_weights align256(10 * 4 * 2 = 80) = 256;
+    #   send_src align256(4 * 4) = 256; expert_out align256(E 8 * 4) = 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 7424 + 5120 + 5 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 7424
+
+
 # The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (256 + 2 * 8 * 1024).
 LL_FIXED = 4096 + 16640
 
