@@ -4,6 +4,7 @@
 # benchmark of both paths.
 # Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench (default build,mp,suite,sanitize).
 #   SAN_TOOLS="memcheck"  sanitizer tools at n=N (default memcheck racecheck, plus memcheck at n=1 all-remote)
+#   SUITE_FILES="..."  the suite's test files (default tests/test_native_build.py tests/gpu/test_*.py)
 #   SAN_SCRIPTS="ll normal"  which small programs run under the sanitizer (sanitize_ll_small / _normal_small)
 #   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
 #   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128); TOKENS: normal mode's (default 4096)
@@ -24,7 +25,7 @@ has mp && run mp_nvshmem 240 python3 -m pytest -p no:cacheprovider -q -rs tests/
   -k "nvshmem or two_launchers or across"
 # the suite one file per process: a kernel that traps poisons its CUDA context, which would fail every later test
 if has suite; then
-  for f in tests/test_native_build.py tests/gpu/test_*.py; do
+  for f in ${SUITE_FILES:-tests/test_native_build.py tests/gpu/test_*.py}; do
     [ "$f" = tests/gpu/test_multiprocess_cuda.py ] && has mp && k=(-k "not (nvshmem or two_launchers or across)") || k=()
     run "suite_$(basename "$f" .py)" 200 python3 -m pytest -p no:cacheprovider -q -rs "$f" "${k[@]}"
   done

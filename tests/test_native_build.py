@@ -102,11 +102,16 @@ def test_normal_buffer_bytes_by_hand():
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
-    # rdma (EPConfig.normal_over_nvshmem): the send area after src_idx, each piece aligned to 256:
-    #   send_rows align256(rows 10 * 512) = 5120; send_scales align256(T_max 4 * 4 * 1) = 256;
-    #   send_idx align256(4 * R 2 * 4 * K 2 = 64) = 256; send_weights align256(10 * 4 * 2 = 80) = 256;
-    #   send_src align256(4 * 4) = 256; expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 7424 + 5120 + 5 * 256
+    # rdma (EPConfig.normal_over_nvshmem): after src_idx, each piece aligned to 256, with meta records of
+    # align16(4 * (2K + 1 + ceil(H/128)) = 24) = 32 bytes:
+    #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
+    #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
+    #   expert_out align256(E 8 * 4) = 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 7424 + 512 + 5120 + 3 * 256
+    # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
+    plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
+    assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, rdma=True) == plain + (
+        16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
     assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 7424
 
 

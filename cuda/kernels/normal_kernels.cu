@@ -122,6 +122,13 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs 
 
   for (int row = global_warp(); row < a.capacity; row += num_global_warps()) {
     const bool valid = row < valid_rows;
+    int32_t s = -1;  // the row's source rank
+    if (valid)
+      for (s = 0; s + 1 < R && row >= s_prefix[s + 1]; ++s) {
+      }
+    // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
+    const bool meta = valid && ((g.remote >> s) & 1u);
+    const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
     const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
     int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
     for (int base = 0; base < n16; base += 32 * kUnroll) {
@@ -139,26 +146,27 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs 
       }
     }
     if (a.out_scales != nullptr) {
-      const float* s_src = reinterpret_cast<const float*>(self + B.scales) + static_cast<int64_t>(row) * a.scale_cols;
+      const float* s_src = meta ? reinterpret_cast<const float*>(rec + 4 * (2 * B.meta_k + 1))
+                                : reinterpret_cast<const float*>(self + B.scales) +
+                                      static_cast<int64_t>(row) * a.scale_cols;
       for (int j = lane; j < a.scale_cols; j += 32)
         a.out_scales[static_cast<int64_t>(row) * a.scale_cols + j] = valid ? __ldcg(s_src + j) : 0.0f;
     }
     if (lane < a.num_weights) {
       const int64_t at = static_cast<int64_t>(row) * a.num_weights + lane;
-      if (a.out_topk_idx != nullptr)
-        a.out_topk_idx[at] = valid ? __ldcg(reinterpret_cast<const int32_t*>(self + B.topk_idx) + at) : -1;
-      if (a.out_weights != nullptr)
-        a.out_weights[at] = valid ? __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + at) : 0.0f;
+      const int32_t* ids = meta ? reinterpret_cast<const int32_t*>(rec + 4 * B.meta_k) + lane
+                                : reinterpret_cast<const int32_t*>(self + B.topk_idx) + at;
+      const float* ws = meta ? reinterpret_cast<const float*>(rec) + lane
+                             : reinterpret_cast<const float*>(self + B.topk_weights) + at;
+      if (a.out_topk_idx != nullptr) a.out_topk_idx[at] = valid ? __ldcg(ids) : -1;
+      if (a.out_weights != nullptr) a.out_weights[at] = valid ? __ldcg(ws) : 0.0f;
     }
-    if (lane == 0 && a.out_src_idx != nullptr)
-      a.out_src_idx[row] = valid ? __ldcg(reinterpret_cast<const int32_t*>(self + B.src_idx) + row) : -1;
-    if (lane == 0 && a.out_src_rank != nullptr) {
-      int32_t s = -1;
-      if (valid)
-        for (s = 0; s + 1 < R && row >= s_prefix[s + 1]; ++s) {
-        }
-      a.out_src_rank[row] = s;
+    if (lane == 0 && a.out_src_idx != nullptr) {
+      const int32_t* si = meta ? reinterpret_cast<const int32_t*>(rec + 8 * B.meta_k)
+                               : reinterpret_cast<const int32_t*>(self + B.src_idx) + row;
+      a.out_src_idx[row] = valid ? __ldcg(si) : -1;
     }
+    if (lane == 0 && a.out_src_rank != nullptr) a.out_src_rank[row] = s;
   }
 }
 

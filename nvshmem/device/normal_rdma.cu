@@ -8,9 +8,10 @@
 //               this rank's own count of such barriers (kRdmaEpoch); direct pair: the NVLink barrier's words.
 //   counts      remote pair: two put-with-signal (my row of the count matrix, my per-expert counts of the peer's
 //               experts), each +1 on kRdmaCount[me] at the peer; the peer waits for 2 and resets the word.
-//   rows        remote pair: the token's row, scales, ids, weights and source index staged once in this rank's send
-//               area (symmetric memory: a put's source must be), then one non-blocking put per piece into the
-//               peer's staging; every warp ends its puts with nvshmem_quiet (delivered, on any transport), and the
+//   rows        remote pair: the token's row staged once in this rank's send area (symmetric memory: a put's source
+//               must be) and one meta record per destination (weights, local ids, source index, fp8 scales), then
+//               two non-blocking puts: the row into the peer's payload row, the record into its remote_meta row
+//               (the copy-out reads a remote source's metadata from there; staging_layout.h); every warp ends its puts with nvshmem_quiet (delivered, on any transport), and the
 //               last block to finish announces completion to each remote peer (one signal ADD of a counted word
 //               with zero counted messages, counted_signal.cuh) and flags the direct peers as before.
 //               NOTE (why not a put-with-signal per piece, as the LL kernels): 2x H200, EP2, T=4096, H=7168: a
@@ -229,22 +230,26 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
     warp_copy_row(reinterpret_cast<int4*>(s_row), reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) *
                                                                                       a.row_bytes),
                   a.row_bytes);
-    float* s_scales = reinterpret_cast<float*>(self + B.send_scales) + static_cast<int64_t>(t) * a.scale_cols;
-    for (int j = lane; j < a.scale_cols; j += 32) s_scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
-    int32_t* s_idx = reinterpret_cast<int32_t*>(self + B.send_idx) + static_cast<int64_t>(t) * R * K;
-    float* s_w = reinterpret_cast<float*>(self + B.send_weights) + static_cast<int64_t>(t) * R * K;
-    if (lane < K) {
-      for (int d = 0; d < R; ++d) {
-        if (direct[d] >= 0 || rows[d] < 0) continue;
+    // One meta record per remote destination (its local ids and weights differ): weights, ids, source index,
+    // scales (staging_layout.h); cached dispatch only has weights.
+    const int64_t Km = B.meta_k;
+    const bool full_record = a.topk_idx != nullptr || a.write_src_idx || a.scale_cols > 0;
+    const int meta_bytes = full_record ? static_cast<int>(4 * (2 * Km + 1) + 4 * a.scale_cols) : 4 * K;
+    for (int d = 0; d < R; ++d) {
+      if (direct[d] >= 0 || rows[d] < 0) continue;
+      char* rec = self + B.send_meta + (static_cast<int64_t>(t) * R + d) * B.meta_stride;
+      if (lane < K) {
         int32_t id;
         float w;
         local_entry(a, t, lane, d, &id, &w);
-        s_idx[d * K + lane] = id;
-        s_w[d * K + lane] = w;
+        reinterpret_cast<float*>(rec)[lane] = w;
+        if (full_record) reinterpret_cast<int32_t*>(rec + 4 * Km)[lane] = id;
       }
+      if (full_record && lane == 0) *reinterpret_cast<int32_t*>(rec + 8 * Km) = t;
+      float* scales = reinterpret_cast<float*>(rec + 4 * (2 * Km + 1));
+      for (int j = lane; j < a.scale_cols; j += 32)
+        scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
     }
-    int32_t* s_src = reinterpret_cast<int32_t*>(self + B.send_src) + t;
-    if (a.write_src_idx && lane == 0) *s_src = t;
     __threadfence();  // the staged bytes are in memory before a put reads them
     __syncwarp();
 
@@ -253,13 +258,9 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
       const int pe = pe_of(g, d);
       const int64_t row = rows[d];
       put_plain(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, pe);
-      if (a.scale_cols > 0)
-        put_plain(self + B.scales + row * 4 * a.scale_cols, reinterpret_cast<const char*>(s_scales),
-                  4 * a.scale_cols, pe);
-      if (K > 0 && a.topk_idx != nullptr)
-        put_plain(self + B.topk_idx + row * 4 * K, reinterpret_cast<const char*>(s_idx + d * K), 4 * K, pe);
-      if (K > 0) put_plain(self + B.topk_weights + row * 4 * K, reinterpret_cast<const char*>(s_w + d * K), 4 * K, pe);
-      if (a.write_src_idx) put_plain(self + B.src_idx + row * 4, reinterpret_cast<const char*>(s_src), 4, pe);
+      if (meta_bytes > 0)
+        put_plain(self + B.remote_meta + row * B.meta_stride,
+                  self + B.send_meta + (static_cast<int64_t>(t) * R + d) * B.meta_stride, meta_bytes, pe);
     }
   }
   if (put_any) nvshmem_quiet();  // this warp's puts (every lane issued part of them) are delivered

@@ -35,13 +35,18 @@ struct BufferLayout {
   int64_t topk_idx;        // i32 [rows][K]
   int64_t topk_weights;    // f32 [rows][K]
   int64_t src_idx;         // i32 [rows]
-  // Normal mode over NVSHMEM only (0 otherwise): the sources of this rank's puts, which must be symmetric memory.
-  // Indexed like the rows they carry: dispatch by token t (and destination d), combine by received row.
+  // Normal mode over NVSHMEM only (0 otherwise). A dispatched row from a remote rank arrives as two puts: the row
+  // into `payload` (as the NVLink stores), and one meta record into `remote_meta` at the same row index:
+  //   record = [weights f32 K | local ids i32 K | source index i32 | scales f32 ceil(H/128)], meta_stride bytes
+  // (cached dispatch fills the weights only). The copy-out reads the record for rows of remote sources.
+  int64_t meta_k;          // K of the record layout (num_topk)
+  int64_t meta_stride;     // bytes per record: align16(4 * (2K + 1 + ceil(H/128)))
+  int64_t remote_meta;     // records [rows]
+  // The sources of this rank's puts, which must be symmetric memory; dispatch: by token and destination, combine:
+  // by received row.
   int64_t send_rows;       // rows x payload_stride bytes
-  int64_t send_scales;     // f32 [T_max][ceil(H/128)]
-  int64_t send_idx;        // i32 [T_max][R][K]: the destination's local expert ids (-1 elsewhere)
-  int64_t send_weights;    // f32 [rows][K]: dispatch [t][R][K] (0 where the id is -1), combine [row][K]
-  int64_t send_src;        // i32 [T_max]: t (the source token index the receiver stores)
+  int64_t send_meta;       // records [T_max][R] (ids and weights are per destination)
+  int64_t send_weights;    // f32 [rows][K]: the combine's weights
   int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
   int64_t total;           // bytes
 };
@@ -67,12 +72,13 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.src_idx = b.topk_weights + align_up(b.rows * 4 * num_topk);
   b.total = b.src_idx + align_up(b.rows * 4);
   if (rdma) {
-    b.send_rows = b.total;
-    b.send_scales = b.send_rows + align_up(b.rows * b.payload_stride);
-    b.send_idx = b.send_scales + align_up(max_tokens_per_rank * 4 * scale_cols);
-    b.send_weights = b.send_idx + align_up(max_tokens_per_rank * num_ranks * 4 * num_topk);
-    b.send_src = b.send_weights + align_up(b.rows * 4 * num_topk);  // rows >= R * T_max: both uses fit
-    b.expert_out = b.send_src + align_up(max_tokens_per_rank * 4);
+    b.meta_k = num_topk;
+    b.meta_stride = align_up(4 * (2 * num_topk + 1 + scale_cols), 16);
+    b.remote_meta = b.total;
+    b.send_rows = b.remote_meta + align_up(b.rows * b.meta_stride);
+    b.send_meta = b.send_rows + align_up(b.rows * b.payload_stride);
+    b.send_weights = b.send_meta + align_up(max_tokens_per_rank * num_ranks * b.meta_stride);
+    b.expert_out = b.send_weights + align_up(b.rows * 4 * num_topk);
     b.total = b.expert_out + align_up(num_experts * 4);
   }
   return b;
