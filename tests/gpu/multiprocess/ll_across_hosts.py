@@ -123,12 +123,12 @@ result("low_latency", steps=S, rows=int(got["count"].sum()), y_err=f"{err:.3g}")
 # Each dispatch message is a 16-byte header (kLowLatencyMsgHeader, cuda/include/jax_ep/constants.h) + the payload
 # (fp8: H codes + one f32 scale per 128 channels; bf16: 2H); the combine sends one bf16 row per (token of a rank on
 # another host, expert of this rank) back. Nothing to a rank of this host and no signal words are counted.
+# routing facts both byte checks use
+host_of = np.arange(R) // a.nvl                                  # simulated host of each rank
+mine = slice(me * T, (me + 1) * T)                               # this rank's tokens
+owner = np.where(idx >= 0, idx // (E // R), -1)                  # [S, R*T, K] owner rank of each (token, expert)
+token_rank = np.repeat(np.arange(R), T)                          # [R*T] rank of each token
 if counting:
-    L = E // R
-    host_of = np.arange(R) // a.nvl
-    mine = slice(me * T, (me + 1) * T)
-    owner = np.where(idx >= 0, idx // L, -1)                      # [S, R*T, K] owner rank of each (token, expert)
-    token_rank = np.repeat(np.arange(R), T)                       # [R*T] rank of each token
     out_pairs = int(((owner[:, mine] >= 0) & (host_of[np.maximum(owner[:, mine], 0)] != host_of[me])).sum())
     back_pairs = int(((owner == me) & (host_of[token_rank] != host_of[me])[None, :, None]).sum())
     want_bytes = out_pairs * ((16 + H + 4 * (H // 128)) + (16 + 2 * H)) + back_pairs * 2 * H
@@ -190,13 +190,8 @@ result("normal", steps=S, rows=int(ngot["n"].sum()), grad_err=f"{gerr:.3g}")
 # the source index; one row per (received row from another host) back in the combine: the bf16 row and K weights.
 # (With hosts of one rank, a destination rank is a destination node: the one copy per (token, node).)
 if counting:
-    L = E // R
-    host_of = np.arange(R) // a.nvl
-    mine = slice(me * T, (me + 1) * T)
-    owner = np.where(idx >= 0, idx // L, -1)                                      # [S, R*T, K]
     dest = np.stack([(owner == d).any(-1) for d in range(R)], axis=-1)           # [S, R*T, R] token -> rank d
     remote_dest = dest[:, mine][..., host_of != host_of[me]]                      # own tokens to other hosts
-    token_rank = np.repeat(np.arange(R), T)
     from_remote = dest[:, (host_of[token_rank] != host_of[me]), me]               # tokens of other hosts kept here
     want_normal = int(remote_dest.sum()) * (2 * H + 8 * K + 4) + int(from_remote.sum()) * (2 * H + 4 * K)
     assert normal_bytes == want_normal, (normal_bytes, want_normal)
