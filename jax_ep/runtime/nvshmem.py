@@ -290,11 +290,12 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             unmapped[axis] = [r for r, p in enumerate(peers) if not p]
             check_unmapped(axis, pes.index(process_id), unmapped[axis], (ll_domains or {}).get(axis))
             if unmapped[axis]:
-                # another host: the NVSHMEM low-latency kernels reach it by puts; the pointer kernels refuse (the
+                # another host: the NVSHMEM kernels of both modes reach it by puts; the pointer kernels refuse (the
                 # handlers name the ranks); initialize says so once here
                 log.warning("jax_ep.initialize: ranks %s of this process's EP group on axis %r have no load/store "
-                            "mapping (other hosts): low-latency ops use NVSHMEM puts to them; normal-mode ops on "
-                            "this axis are not available across hosts yet (docs/INTERNODE.md)", unmapped[axis], axis)
+                            "mapping (other hosts): ops reach them with NVSHMEM puts when R > num_max_nvl_peers "
+                            "(normal mode) or the low-latency NVSHMEM kernels run; the NVLink kernels refuse such "
+                            "a group (docs/INTERNODE.md)", unmapped[axis], axis)
             native_ids[axis] = _native.module().group_register_external(
                 device_ordinal, pes.index(process_id), peers, buffer_bytes, -1, list(pes))
         timings["allocate"] = time.perf_counter() - t
@@ -324,7 +325,8 @@ def check_unmapped(axis: str, rank: int, unmapped: list, ll_domain: int | None) 
     """EPError when the low-latency kernels of `axis` would need a pointer NVSHMEM cannot give: ll_domain 0 (the
     NVLink kernels: every rank of the group) or a rank of `rank`'s NVLink domain (ranks q with q // ll_domain ==
     rank // ll_domain are reached by stores). None: the axis has no low-latency buffers (normal-mode ops on such a
-    group are refused when they run, naming the ranks)."""
+    group run the NVSHMEM kernels when R > num_max_nvl_peers, and are refused when they run, naming the ranks,
+    otherwise)."""
     if not unmapped or ll_domain is None:
         return
     fix = "set EPConfig.num_max_nvl_peers to the GPUs per host (the ranks NVSHMEM maps to each other)"

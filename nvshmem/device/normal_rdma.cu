@@ -155,6 +155,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const Di
     if (is_remote(g, tid)) {
       uint64_t* word = rdma_word(g, SignalHeader::kRdmaCount, me);
       char* row = self + B.counts + 4 * static_cast<int64_t>(me) * R;
+      // No quiet before the sources (my row, expert_out) are rewritten by the next dispatch: the peer waits for
+      // both puts before it arrives at the next barrier, which this rank passes before rewriting them.
       nvshmem_putmem_signal_nbi(row, row, 4 * R, word, 1, NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
       nvshmem_putmem_signal_nbi(self + B.expert_counts + 4 * static_cast<int64_t>(me) * L,
                                 self + B.expert_out + 4 * static_cast<int64_t>(tid) * L, 4 * L, word, 1,
@@ -202,8 +204,8 @@ __device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t 
 }
 
 // Dispatch / cached dispatch rows: one warp per token. Direct destinations get the NVLink stores; for remote ones
-// the token is staged once in the send area and put piece by piece (row, fp8 scales, local ids, weights, source
-// index) into the same staging row the stores would fill.
+// the token's row is staged once in the send area with one meta record per remote destination, then put as two
+// pieces: the row into the staging row the stores would fill, the record into the same row of remote_meta.
 __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const SendArgs a) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
