@@ -202,6 +202,17 @@ def test_child_envs_global_ids_and_pinning():
         assert e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and e[E.ENV_HEARTBEAT_TIMEOUT] == "7", e
 
 
+def test_child_envs_processes_per_gpu():
+    """--processes-per-gpu P: consecutive processes share GPU i // P (several NVSHMEM PEs per GPU)."""
+    envs = child_envs(5, Hosts(1, 0, "c:9"), "c:9", ["2", "3", "6"], 1, {}, {}, environ={}, processes_per_gpu=2)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "2", "3", "3", "6"]
+    assert [e[E.ENV_LOCAL_RANK] for e in envs] == ["0", "1", "2", "3", "4"]
+    assert {e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in envs} == {"50"}  # shares of one GPU add up to <= 100
+    kept = child_envs(2, Hosts(1, 0, "c:9"), "c:9", ["0"], 1, {}, {}, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"},
+                      processes_per_gpu=2)
+    assert [e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in kept] == ["30", "30"]
+
+
 @pytest.mark.parametrize("argv,environ,message", [
     (["-n", "1", "--num-hosts", "2", "x.py"], {}, "--host-index is required with --num-hosts 2"),
     (["-n", "1", "--num-hosts", "2", "--host-index", "0", "x.py"], {}, "--coordinator HOST:PORT is required"),

@@ -10,10 +10,10 @@ from . import env as E
 from .plan import PlanError, child_envs, free_port, resolve_hosts, visible_gpus
 from .supervisor import Supervisor, log
 
-_VALUE_OPTIONS = {"-n", "--nproc", "--num-processes", "--gpus-per-process", "--grace-seconds", "--timeout",
+_VALUE_OPTIONS = {"-n", "--nproc", "--num-processes", "--gpus-per-process", "--processes-per-gpu", "--grace-seconds", "--timeout",
                   "--port", "--coordinator", "--num-hosts", "--host-index", "--join-timeout", "--heartbeat-timeout"}
 
-USAGE = ("python -m jax_ep.launch -n N [--gpus-per-process K] [--no-gpu-pinning] "
+USAGE = ("python -m jax_ep.launch -n N [--gpus-per-process K | --processes-per-gpu P] [--no-gpu-pinning] "
          "[--num-hosts H --host-index I --coordinator HOST:PORT] [--port PORT] [--join-timeout SECONDS] "
          "[--heartbeat-timeout SECONDS] [--no-join] [--timeout SECONDS] [--grace-seconds SECONDS] (script.py | -m module) [args ...]")
 
@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
                         "every host must use the same N")
     p.add_argument("--gpus-per-process", type=int, default=1,
                    help="GPUs given to each process through CUDA_VISIBLE_DEVICES (default 1)")
+    p.add_argument("--processes-per-gpu", type=int, default=1, metavar="P",
+                   help="P consecutive processes share one GPU (testing EP groups larger than the GPUs at hand; "
+                        "NVSHMEM then needs the CUDA MPS daemon running, else it refuses team splits and "
+                        "barriers); default 1")
     p.add_argument("--no-gpu-pinning", action="store_true",
                    help="do not set CUDA_VISIBLE_DEVICES (CPU runs, or to manage devices yourself)")
     p.add_argument("--num-hosts", type=int, default=None, metavar="H",
@@ -89,6 +93,11 @@ def _check(parser: argparse.ArgumentParser, args, command: list[str]):
         parser.error(f"-n must be >= 1, got {args.nproc}")
     if args.gpus_per_process < 1:
         parser.error(f"--gpus-per-process must be >= 1, got {args.gpus_per_process}")
+    if args.processes_per_gpu < 1:
+        parser.error(f"--processes-per-gpu must be >= 1, got {args.processes_per_gpu}")
+    if args.processes_per_gpu > 1 and args.gpus_per_process > 1:
+        parser.error("--processes-per-gpu and --gpus-per-process > 1 exclude each other: a process shares one GPU "
+                     "or owns several")
     if args.grace_seconds < 0:
         parser.error(f"--grace-seconds must be >= 0, got {args.grace_seconds:g}")
     if args.timeout is not None and args.timeout <= 0:
@@ -111,11 +120,12 @@ def _check(parser: argparse.ArgumentParser, args, command: list[str]):
         parser.error(f"script not found: {command[0]}")
     gpus = None if args.no_gpu_pinning else visible_gpus()
     if gpus is not None:
-        need = args.nproc * args.gpus_per_process
+        need = -(-args.nproc // args.processes_per_gpu) * args.gpus_per_process
         if need > len(gpus):
             src = ("CUDA_VISIBLE_DEVICES=" + os.environ["CUDA_VISIBLE_DEVICES"]
                    if "CUDA_VISIBLE_DEVICES" in os.environ else "nvidia-smi")
-            parser.error(f"-n {args.nproc} with --gpus-per-process {args.gpus_per_process} needs {need} GPUs "
+            parser.error(f"-n {args.nproc} with --gpus-per-process {args.gpus_per_process} and --processes-per-gpu "
+                         f"{args.processes_per_gpu} needs {need} GPUs "
                          f"but {len(gpus)} are visible ({src}); lower -n or pass --no-gpu-pinning")
     return hosts, gpus
 
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {name: f"{value:g}" for name, value in ((E.ENV_JOIN_TIMEOUT, args.join_timeout),
                                                         (E.ENV_HEARTBEAT_TIMEOUT, args.heartbeat_timeout))
                 if value is not None}
-    envs = child_envs(n, hosts, coordinator, gpus, args.gpus_per_process, settings, FORCED_ENV)
+    envs = child_envs(n, hosts, coordinator, gpus, args.gpus_per_process, settings, FORCED_ENV,
+                      processes_per_gpu=args.processes_per_gpu)
     first, last = ranks[0], ranks[-1]
     log(f"starting rank{'s' if n > 1 else ''} {first}{f'-{last}' if n > 1 else ''} of {hosts.num_hosts * n}"
         + (f" ({hosts.describe()})" if hosts.num_hosts > 1 else "") + f"; coordinator {coordinator}"

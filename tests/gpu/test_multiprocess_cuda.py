@@ -173,6 +173,44 @@ def test_group_across_simulated_hosts():
     assert _lines(out, "unmapped") == {0: "ranks=[1]", 1: "ranks=[0]"}, out
 
 
+def _mps_running() -> bool:
+    """Whether a CUDA MPS control daemon serves this environment's pipe directory (several NVSHMEM PEs per GPU
+    need it: without MPS, NVSHMEM exits on team splits and barriers)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
+# (processes, processes per GPU, num_max_nvl_peers): EP2 on one GPU (2 nodes of 1); EP4 on two GPUs (2 nodes of 2,
+# NVLink peers and NVSHMEM puts in one group)
+SHARED_GPU_CASES = [(2, 2, 1), (4, 2, 2)]
+
+
+@pytest.mark.parametrize("n,per_gpu,nvl", SHARED_GPU_CASES)
+def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl):
+    """EP groups with more ranks than GPUs: `jax_ep.launch --processes-per-gpu P` puts P processes (NVSHMEM PEs) on
+    each GPU under CUDA MPS; ranks of different simulated hosts (JAX_EP_TEST_RANKS_PER_HOST = num_max_nvl_peers)
+    get no pointers to each other. ll_across_hosts.py then checks low-latency and normal-mode steps, a gradient and
+    the bytes put across the boundary against the reference backend, which runs on the processes' CPU devices
+    (--oracle cpu: NCCL refuses two ranks on one GPU). Runs only while an MPS daemon is up
+    (scripts/gpu_shared_gpu.sh starts one)."""
+    _require(-(-n // per_gpu))
+    if not _mps_running():
+        pytest.skip("needs the CUDA MPS daemon running (several processes per GPU); scripts/gpu_shared_gpu.sh "
+                    "starts one for this test")
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    if not nvshmem_runtime.module().has_device_library():
+        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
+    script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
+    out = _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--processes-per-gpu", str(per_gpu),
+                "--timeout", "260", script, "--nvl", str(nvl), "--oracle", "cpu"], timeout=280,
+               env={"JAX_EP_TEST_RANKS_PER_HOST": str(nvl), "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
+    for tag in ("unmapped", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
+        assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
+    want = {r: f"ranks={[q for q in range(n) if q // nvl != r // nvl]}" for r in range(n)}
+    assert _lines(out, "unmapped") == want, out
+
+
 def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):
     """Issue 14, item 5 on GPUs: two launcher invocations on one host (as on two hosts: --num-hosts 2
     --host-index i --coordinator), each -n 1 with its own CUDA_VISIBLE_DEVICES, form one EP2 job; ep_cuda.py then

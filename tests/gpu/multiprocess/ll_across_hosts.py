@@ -13,6 +13,9 @@ the group can only work through NVSHMEM puts. Checks, on every process:
     reference backend (combine within f32-accumulation tolerance), a gradient through both (cached dispatch), and
     with the byte counter exactly one copy per (own token, destination rank on another host) put by dispatch and one
     row per (row received from another host) put back by combine; then the low-latency program runs again.
+Every check compares this process's shard of the outputs (no collective gathers them). --oracle cpu runs the
+reference backend on a mesh of the processes' CPU devices (gloo collectives) instead of the GPUs: for several
+processes per GPU (`jax_ep.launch --processes-per-gpu`), where NCCL, and so XLA's GPU collectives, refuse to run.
 Prints `RESULT <what> ...` lines; any failed check raises (non-zero exit).
 """
 import argparse
@@ -27,16 +30,21 @@ ap.add_argument("--nvl", type=int, default=1, help="EPConfig.num_max_nvl_peers (
 ap.add_argument("--steps", type=int, default=100)
 ap.add_argument("--tokens", type=int, default=32)
 ap.add_argument("--hidden", type=int, default=1024)
+ap.add_argument("--oracle", choices=("gpu", "cpu"), default="gpu",
+                help="where the reference backend runs: the GPU mesh (NCCL) or the processes' CPU devices (gloo)")
 a = ap.parse_args()
 
 from jax_ep.launch import init_from_env  # noqa: E402
 
+if a.oracle == "cpu":
+    import jax  # noqa: E402
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # before any backend exists
 pid, nproc = init_from_env()
 
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
@@ -52,6 +60,12 @@ E, K, T, H, S = 4 * R, 4, a.tokens, a.hidden, a.steps
 cfgs = {b: jax_ep.EPConfig(E, H, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0)
         for b in ("cuda", "reference")}
 rt = jax_ep.initialize(mesh, *cfgs.values())
+if a.oracle == "cpu":
+    cpus = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+    assert [d.process_index for d in cpus] == [d.process_index for d in devices], (cpus, devices)
+    oracle_mesh = Mesh(np.array(cpus), ("ep",))
+else:
+    oracle_mesh = mesh
 me = jax.process_index()
 unmapped = rt.transport_state.summary()["unmapped"]["ep"]
 want = [q for q in range(R) if q // a.nvl != me // a.nvl]
@@ -71,12 +85,18 @@ w = rng.random(size=idx.shape).astype(np.float32)
 spec = P(None, "ep")
 
 
-def put(v, dtype=None, spec=spec):
+def put(v, dtype=None, on=mesh):
     v = np.asarray(v) if dtype is None else np.asarray(v).astype(dtype)
-    return jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda index: v[index])
+    return jax.make_array_from_callback(v.shape, NamedSharding(on, spec), lambda index: v[index])
 
 
 args = (put(x, jnp.bfloat16), put(idx), put(w))
+oracle_args = (put(x, jnp.bfloat16, oracle_mesh), put(idx, on=oracle_mesh), put(w, on=oracle_mesh))
+
+
+def inputs(cfg):
+    """The program's mesh and arguments: the reference backend runs where --oracle says."""
+    return (oracle_mesh, oracle_args) if cfg.backend == "reference" else (mesh, args)
 
 
 def program(cfg):
@@ -94,20 +114,22 @@ def program(cfg):
     def body(x, idx, w):
         return jax.lax.scan(step, None, (x, idx, w))[1]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(None, "ep")))
+    on, xs = inputs(cfg)
+    return jax.jit(jax.shard_map(body, mesh=on, in_specs=(spec,) * 3, out_specs=P(None, "ep")))(*xs)
 
 
 def host(res):
-    return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(res, tiled=True).items()}
+    """This process's shard of every output (one addressable shard: one device per process)."""
+    return {k: np.asarray(v.addressable_shards[0].data) for k, v in res.items()}
 
 
 from jax_ep.runtime import nvshmem as nvshmem_runtime  # noqa: E402
 
 counting = os.environ.get("JAX_EP_TEST_COUNT_REMOTE_BYTES") == "1"
 nvshmem_runtime.module().test_remote_put_bytes(reset=True)
-got = host(program(cfgs["cuda"])(*args))
+got = host(program(cfgs["cuda"]))
 put_bytes = nvshmem_runtime.module().test_remote_put_bytes(reset=True)
-ref = host(program(cfgs["reference"])(*args))
+ref = host(program(cfgs["reference"]))
 for k in ("rows", "count", "count8"):
     np.testing.assert_array_equal(got[k].view(np.uint16) if got[k].dtype == jnp.bfloat16 else got[k],
                                   ref[k].view(np.uint16) if ref[k].dtype == jnp.bfloat16 else ref[k],
@@ -150,7 +172,8 @@ def normal_program(cfg):
     def body(x, idx, w):
         return jax.lax.scan(step, None, (x, idx, w))[1]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(None, "ep")))
+    on, xs = inputs(cfg)
+    return jax.jit(jax.shard_map(body, mesh=on, in_specs=(spec,) * 3, out_specs=P(None, "ep")))(*xs)
 
 
 def grad_program(cfg):
@@ -163,14 +186,15 @@ def grad_program(cfg):
     def body(x, idx, w):
         return jax.grad(loss)(x[0], idx[0], w[0])[None]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(None, "ep")))
+    on, xs = inputs(cfg)
+    return jax.jit(jax.shard_map(body, mesh=on, in_specs=(spec,) * 3, out_specs=P(None, "ep")))(*xs)
 
 
 assert cfgs["cuda"].normal_over_nvshmem(R), "the group spans hosts: the NVSHMEM normal-mode kernels must run"
 nvshmem_runtime.module().test_remote_put_bytes(reset=True)
-ngot = host(normal_program(cfgs["cuda"])(*args))
+ngot = host(normal_program(cfgs["cuda"]))
 normal_bytes = nvshmem_runtime.module().test_remote_put_bytes(reset=True)
-nref = host(normal_program(cfgs["reference"])(*args))
+nref = host(normal_program(cfgs["reference"]))
 for k in ("rows", "idx", "w", "n", "per_expert"):
     np.testing.assert_array_equal(ngot[k].view(np.uint16) if ngot[k].dtype == jnp.bfloat16 else ngot[k],
                                   nref[k].view(np.uint16) if nref[k].dtype == jnp.bfloat16 else nref[k],
@@ -179,8 +203,8 @@ for k in ("y", "yw"):
     ref_k = nref[k].astype(np.float64)
     nerr = np.max(np.abs(ngot[k].astype(np.float64) - ref_k))
     assert nerr <= 2 ** -7 * max(1.0, np.max(np.abs(ref_k))), (k, nerr)
-gx = host(dict(g=grad_program(cfgs["cuda"])(*args)))["g"]
-gref = host(dict(g=grad_program(cfgs["reference"])(*args)))["g"]
+gx = host(dict(g=grad_program(cfgs["cuda"])))["g"]
+gref = host(dict(g=grad_program(cfgs["reference"])))["g"]
 gerr = np.max(np.abs(gx.astype(np.float64) - gref.astype(np.float64)))
 assert gerr <= 2 ** -6 * max(1.0, np.max(np.abs(gref.astype(np.float64)))), gerr
 assert int(ngot["n"].sum()) > 0
@@ -197,6 +221,6 @@ if counting:
     assert normal_bytes == want_normal, (normal_bytes, want_normal)
     result("normal_remote_bytes", bytes=normal_bytes, dispatch_copies=int(remote_dest.sum()),
            combine_rows=int(from_remote.sum()))
-again = host(program(cfgs["cuda"])(*args))
+again = host(program(cfgs["cuda"]))
 np.testing.assert_array_equal(again["count"], got["count"])
 result("done", ok=True)
