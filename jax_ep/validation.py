@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import (FP8_BLOCK, HIDDEN_MULTIPLE, MAX_GROUP_RANKS, MAX_LOW_LATENCY_EXPERTS, MAX_NORMAL_EXPERTS,
-                     ROW_ALIGN_BYTES, EPConfig)
+                     MAX_NVL_PEERS, ROW_ALIGN_BYTES, EPConfig)
 
 
 from .errors import EPError, EPTypeError  # noqa: F401  (re-exported: validation is where callers look)
@@ -47,12 +47,18 @@ _SAME_EVERYWHERE = "checked on every backend, so that a program that runs here a
 def check_kernel_limits(op: str, cfg: EPConfig, num_ranks: int, low_latency: bool) -> None:
     """The CUDA kernels' limits (config.py, equal to cuda/include/jax_ep/constants.h), on every backend.
 
-    R <= MAX_GROUP_RANKS; E <= MAX_NORMAL_EXPERTS (normal mode) or MAX_LOW_LATENCY_EXPERTS (low-latency mode);
+    R <= MAX_GROUP_RANKS, and R <= MAX_NVL_PEERS for normal mode on the NVLink kernels (R <= num_max_nvl_peers);
+    E <= MAX_NORMAL_EXPERTS (normal mode) or MAX_LOW_LATENCY_EXPERTS (low-latency mode);
     H % 8 == 0 (16-byte bf16 rows). K <= MAX_TOPK is checked by EPConfig itself; fp8's H % 128 by check_fp8_hidden.
     """
     if num_ranks > MAX_GROUP_RANKS:
         raise EPError(f"jax_ep.{op}: mesh axis cfg.axis_name={cfg.axis_name!r} has {num_ranks} ranks; an EP group "
                       f"has at most {MAX_GROUP_RANKS} (kMaxGroupRanks of the CUDA kernels; {_SAME_EVERYWHERE})")
+    if not low_latency and num_ranks > MAX_NVL_PEERS and not cfg.normal_over_nvshmem(num_ranks):
+        raise EPError(f"jax_ep.{op}: a normal-mode group of {num_ranks} ranks with cfg.num_max_nvl_peers="
+                      f"{cfg.num_max_nvl_peers} would run the NVLink kernels, which take at most {MAX_NVL_PEERS} "
+                      f"ranks (kMaxNvlPeers); set num_max_nvl_peers <= {MAX_NVL_PEERS} (the GPUs per host) so that "
+                      f"it runs the NVSHMEM kernels ({_SAME_EVERYWHERE})")
     limit, name, mode = ((MAX_LOW_LATENCY_EXPERTS, "kMaxLowLatencyExperts", "low-latency") if low_latency else
                          (MAX_NORMAL_EXPERTS, "kMaxLayoutExperts", "normal"))
     if cfg.num_experts > limit:

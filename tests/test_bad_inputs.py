@@ -120,7 +120,7 @@ def _header_constant(text, name):
 
 def test_python_limits_equal_the_cuda_headers():
     header = (ROOT / "cuda/include/jax_ep/constants.h").read_text()
-    for py, cpp in [("MAX_TOPK", "kMaxTopk"), ("MAX_GROUP_RANKS", "kMaxGroupRanks"),
+    for py, cpp in [("MAX_TOPK", "kMaxTopk"), ("MAX_GROUP_RANKS", "kMaxGroupRanks"), ("MAX_NVL_PEERS", "kMaxNvlPeers"),
                     ("MAX_NORMAL_EXPERTS", "kMaxLayoutExperts"), ("MAX_LOW_LATENCY_EXPERTS", "kMaxLowLatencyExperts"),
                     ("FP8_BLOCK", "kFp8Block")]:
         assert getattr(config, py) == _header_constant(header, cpp), (py, cpp)
@@ -153,9 +153,22 @@ def test_expert_limits_per_mode():
 
 
 def test_group_ranks_limit():
-    validation.check_kernel_limits("dispatch", cfg(num_experts=16), 8, low_latency=False)
-    with raises(jax_ep.EPError, "jax_ep.dispatch", "16 ranks", "at most 8", "kMaxGroupRanks"):
-        validation.check_kernel_limits("dispatch", cfg(num_experts=16), 16, low_latency=False)
+    validation.check_kernel_limits("dispatch", cfg(num_experts=64), 32, low_latency=False)
+    validation.check_kernel_limits("low_latency_dispatch", cfg(num_experts=64), 32, low_latency=True)
+    for low_latency in (False, True):
+        with raises(jax_ep.EPError, "jax_ep.dispatch", "64 ranks", "at most 32", "kMaxGroupRanks"):
+            validation.check_kernel_limits("dispatch", cfg(num_experts=64), 64, low_latency=low_latency)
+
+
+def test_normal_mode_on_the_nvlink_kernels_takes_at_most_8_ranks():
+    """R > 8 in normal mode needs the NVSHMEM kernels (R > num_max_nvl_peers); the NVLink kernels' per-token
+    destination arrays hold 8 ranks. Low-latency mode has no such limit."""
+    wide = cfg(num_experts=16, num_max_nvl_peers=16)
+    with raises(jax_ep.EPError, "jax_ep.dispatch", "16 ranks", "num_max_nvl_peers=16", "at most 8", "kMaxNvlPeers"):
+        validation.check_kernel_limits("dispatch", wide, 16, low_latency=False)
+    validation.check_kernel_limits("low_latency_dispatch", wide, 16, low_latency=True)
+    validation.check_kernel_limits("dispatch", wide, 8, low_latency=False)
+    validation.check_kernel_limits("dispatch", cfg(num_experts=16, num_max_nvl_peers=8), 16, low_latency=False)
 
 
 # ---- handle / config mismatches ------------------------------------------------------------------------------------

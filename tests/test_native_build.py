@@ -76,29 +76,29 @@ def test_state_types_are_registrable_pairs():
 # ---- staging arithmetic, checked against numbers written out by hand -----------------------------------------------
 # Normal region (staging_layout.h), hidden=128, num_topk=2, T_max=4, R=2, capacity=10, E=8:
 #   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
-#   signals  align256(1024 + 4 * (R*R + E + 4R + 4) = 1120) = 1280
+#   signals  align256(2048 + 4 * (R*R + E + 4R + 4) = 2144) = 2304
 #   payload  align256(10 * 4*128 = 5120)                    = 5120
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
-#   total = 1280 + 5120 + 1024 = 7424
+#   total = 2304 + 5120 + 1024 = 8448
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
 #   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(80 + 260) = 352
-#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 8)), rows at 1024
-#   rows end = max(1024 + E*T_max*288 = 10240, 1024 + E*T_max*256 = 9216, 1024 + R*T_max*352 = 3840) = 10240
-#   weights at 10240: R*T_max*16 f32 = 512 bytes -> one half = align256(10752) = 10752
-#   total = 4096 (scratch) + 2 * 10752 = 25600
+#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 32) = 512), rows at 1280
+#   rows end = max(1280 + E*T_max*288 = 10496, 1280 + E*T_max*256 = 9472, 1280 + R*T_max*352 = 4096) = 10496
+#   weights at 10496: R*T_max*16 f32 = 512 bytes -> one half = align256(11008) = 11008
+#   total = LL_FIXED (scratch + RDMA words) + 2 * 11008
 SMALL_NORMAL = dict(hidden=128, num_topk=2, max_tokens_per_rank=4, num_ranks=2, capacity=10, num_experts=8)
 SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
 
 
 def test_normal_buffer_bytes_by_hand():
-    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 7424
+    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 8448
     # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
-    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 1280 + 4096 + 4 * 256
+    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 2304 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
-    #   signals align256(1024 + 4*(16 + 256 + 16 + 4)) = 2304; payload 16384*28672 = 469762048;
+    #   signals align256(2048 + 4*(16 + 256 + 16 + 4)) = 3328; payload 16384*28672 = 469762048;
     #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
-        2304 + 469762048 + 3670016 + 1048576 + 65536)
+        3328 + 469762048 + 3670016 + 1048576 + 65536)
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
@@ -107,28 +107,29 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
     #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
     #   expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 7424 + 512 + 5120 + 3 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 8448 + 512 + 5120 + 3 * 256
     # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
     plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, rdma=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 7424
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 8448
 
 
-# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (256 + 2 * 8 * 1024).
-LL_FIXED = 4096 + 16640
+# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][32]
+# = 512, then counted signals 2 * 8 * 1024).
+LL_FIXED = 4096 + 512 + 16384
 
 
 def test_low_latency_buffer_bytes_by_hand():
-    # halves of 10752: flags 3 * 256, rank words 256, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
-    assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 10752
+    # halves of 11008: flags 3 * 256, rank words 512, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
+    assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 11008
     # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 352, per_rank's stride) and
     # the combine rows [E][T_max] (8 * 4 * 256 = 8192)
-    assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (10752 + 8192)
+    assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (11008 + 8192)
     # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,
-    # rank words 256; rows end = 4096 + 288*128*14576 = 537333760 (> the combine rows' and the per_rank messages');
-    # weights 4*128*16*4 = 32768 -> half = 537366528
-    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537366528
+    # rank words 512; rows end = 4352 + 288*128*14576 = 537334016 (> the combine rows' and the per_rank messages');
+    # weights 4*128*16*4 = 32768 -> half = 537366784
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537366784
 
 
 def test_staging_plan_by_hand():
@@ -136,12 +137,12 @@ def test_staging_plan_by_hand():
     assert native.staging_plan([7424, 3000], [24576, 1024]) == (7424 + 24576, 7424, 24576)
     assert native.staging_plan([7424], []) == (7424, 7424, 0)
     # the normal region never ends before the signal header; ll_offset is 256-aligned
-    assert native.staging_plan([], []) == (1024, 1024, 0)
-    assert native.staging_plan([1000], [5120]) == (1024 + 5120, 1024, 5120)
-    assert native.staging_plan([1300], []) == (1536, 1536, 0)
+    assert native.staging_plan([], []) == (2048, 2048, 0)
+    assert native.staging_plan([1000], [5120]) == (2048 + 5120, 2048, 5120)
+    assert native.staging_plan([2300], []) == (2304, 2304, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
-    ll = LL_FIXED + 2 * 10752
-    assert plan == (7424 + ll, 7424, ll)
+    ll = LL_FIXED + 2 * 11008
+    assert plan == (8448 + ll, 8448, ll)
 
 
 def test_staging_rejects_bad_arguments():

@@ -135,6 +135,13 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                             : std::string("Normal-mode ops across hosts run the NVSHMEM kernels: set "
                                           "EPConfig.num_max_nvl_peers to the GPUs per host")));
   }
+  // The NVLink normal-mode send kernel keeps each token's destination rows in registers, kMaxNvlPeers of them.
+  if (mode_ == OpMode::kNormal && R > kMaxNvlPeers)
+    return ffi_util::Invalid(target_, "normal mode through the NVLink kernels takes at most " +
+                                          std::to_string(kMaxNvlPeers) + " ranks, but the group of mesh axis '" +
+                                          axis_ + "' has " + std::to_string(R) + ": set EPConfig.num_max_nvl_peers "
+                                          "<= " + std::to_string(kMaxNvlPeers) + " (the GPUs per host) so that it "
+                                          "runs the NVSHMEM kernels");
   if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
 
   const AxisBinding& b = rg.binding;

@@ -45,7 +45,7 @@ __device__ __forceinline__ void notify_outputs(const DispatchParams& p, int32_t 
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
   const char* self = self_base(g);
   const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);
-  if (tid < R * R) s_counts[tid / R][tid % R] = __ldcg(counts + tid);
+  for (int i = tid; i < R * R; i += blockDim.x) s_counts[i / R][i % R] = __ldcg(counts + i);
   __syncthreads();
   if (tid < R) {
     p.recv_rank_counts[tid] = s_counts[tid][me];
@@ -67,8 +67,11 @@ __device__ __forceinline__ void notify_outputs(const DispatchParams& p, int32_t 
 }
 
 // The staging row of token t on every rank (-1: not sent there, or cut by that rank's capacity), for the whole warp:
-// rows[d] for d < kMaxGroupRanks.
+// rows[d] for d < kSlots (kSlots >= R; lane d computes rank d's, so R <= 32). kSlots sizes the caller's register
+// array: kMaxNvlPeers on the NVLink path (R <= 8), kMaxGroupRanks on the NVSHMEM path when R > 8.
+template <int kSlots>
 __device__ __forceinline__ void token_rows(const SendArgs& a, int t, int32_t* rows) {
+  static_assert(kSlots <= 32, "one lane per rank");
   const int R = a.g.num_ranks, lane = lane_id();
   int my_row = -1;
   if (lane < R) {
@@ -79,7 +82,7 @@ __device__ __forceinline__ void token_rows(const SendArgs& a, int t, int32_t* ro
     }
   }
 #pragma unroll
-  for (int d = 0; d < kMaxGroupRanks; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
+  for (int d = 0; d < kSlots; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
 }
 
 // The destination's view of top-k entry k of token t (SPEC): its local expert id where the expert lives on rank d,
@@ -97,7 +100,8 @@ __device__ __forceinline__ void local_entry(const SendArgs& a, int t, int k, int
 
 // Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank d with
 // rows[d] >= 0, through g.peers.base[d]: one warp, 16-byte vectors, each loaded once and stored to every
-// destination. The caller clears rows[d] of ranks it reaches otherwise (puts).
+// destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows).
+template <int kSlots>
 __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int32_t* rows) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
@@ -112,7 +116,7 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
       if (i < n16) v[j] = ld_nc_v4(src + i);
     }
 #pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d) {
+    for (int d = 0; d < kSlots; ++d) {
       if (rows[d] < 0) continue;
       int4* dst = reinterpret_cast<int4*>(g.peers.base[d] + B.payload + static_cast<int64_t>(rows[d]) * a.row_bytes);
 #pragma unroll
@@ -125,14 +129,14 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
   for (int j = lane; j < a.scale_cols; j += 32) {
     const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
 #pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d)
+    for (int d = 0; d < kSlots; ++d)
       if (rows[d] >= 0)
         reinterpret_cast<float*>(g.peers.base[d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
   }
   if (lane < a.num_weights) {
     const int k = lane, K = a.num_weights;
 #pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d) {
+    for (int d = 0; d < kSlots; ++d) {
       if (rows[d] < 0) continue;
       int32_t id;
       float w;
@@ -144,7 +148,7 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
   }
   if (a.write_src_idx && lane == 0) {
 #pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d)
+    for (int d = 0; d < kSlots; ++d)
       if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[d] + B.src_idx)[rows[d]] = t;
   }
 }

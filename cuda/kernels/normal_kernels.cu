@@ -81,9 +81,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const SendArgs a) {
   const uint32_t epoch = current_epoch(a.g);
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
-    int32_t rows[kMaxGroupRanks];
-    token_rows(a, t, rows);
-    store_token(a, t, rows);
+    int32_t rows[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+    token_rows<kMaxNvlPeers>(a, t, rows);
+    store_token<kMaxNvlPeers>(a, t, rows);
   }
   finish_and_signal_data(a.g, epoch);
 }
@@ -279,9 +279,9 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const Comb
 #pragma unroll
       for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
     }
-#pragma unroll
-    for (int r = 0; r < kMaxGroupRanks; ++r) {
-      if (!((kept_mask >> r) & 1u)) continue;
+    // the ranks that kept the token, in ascending order (the summation order the results are defined by)
+    for (uint32_t m = kept_mask; m != 0u; m &= m - 1u) {
+      const int r = __ffs(m) - 1;
       int4 v[kU];
       if (r == me) {
         // `values` is this op's read-only input: nothing writes it while the kernel runs.

@@ -206,6 +206,8 @@ __device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t 
 // Dispatch / cached dispatch rows: one warp per token. Direct destinations get the NVLink stores; for remote ones
 // the token's row is staged once in the send area with one meta record per remote destination, then put as two
 // pieces: the row into the staging row the stores would fill, the record into the same row of remote_meta.
+// kSlots >= R: the per-token destination arrays (kMaxNvlPeers for R <= 8, kMaxGroupRanks above).
+template <int kSlots>
 __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const SendArgs a) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
@@ -215,16 +217,16 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
   bool put_any = false;
 
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
-    int32_t rows[kMaxGroupRanks], direct[kMaxGroupRanks];
-    token_rows(a, t, rows);
+    int32_t rows[kSlots], direct[kSlots];
+    token_rows<kSlots>(a, t, rows);
     bool any_remote = false;
 #pragma unroll
-    for (int d = 0; d < kMaxGroupRanks; ++d) {
+    for (int d = 0; d < kSlots; ++d) {
       const bool remote = rows[d] >= 0 && is_remote(g, d);
       direct[d] = remote ? -1 : rows[d];
       any_remote |= remote;
     }
-    store_token(a, t, direct);
+    store_token<kSlots>(a, t, direct);
     if (!any_remote) continue;
     put_any = true;
 
@@ -338,7 +340,10 @@ const char* dispatch_notify(const DispatchParams& p, cudaStream_t stream) {
 }
 
 const char* send_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
-  rdma_send_rows_kernel<<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
+  if (a.g.num_ranks <= kMaxNvlPeers)
+    rdma_send_rows_kernel<kMaxNvlPeers><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
+  else
+    rdma_send_rows_kernel<kMaxGroupRanks><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
   return launch_error("dispatch send (NVSHMEM)");
 }
 
@@ -360,7 +365,8 @@ const NormalRdmaOps* normal_ops() { return &kOps; }
 
 Status preload_normal_kernels() {
   return preload({reinterpret_cast<const void*>(rdma_barrier_kernel), reinterpret_cast<const void*>(rdma_notify_kernel),
-                  reinterpret_cast<const void*>(rdma_send_rows_kernel),
+                  reinterpret_cast<const void*>(rdma_send_rows_kernel<kMaxNvlPeers>),
+                  reinterpret_cast<const void*>(rdma_send_rows_kernel<kMaxGroupRanks>),
                   reinterpret_cast<const void*>(rdma_combine_send_kernel),
                   reinterpret_cast<const void*>(rdma_wait_data_kernel)});
 }

@@ -12,13 +12,18 @@ constexpr int kMaxLayoutExperts = 8192;    // CUDA: per-expert counters live in 
 constexpr int kLayoutThreads = 1024;       // one block computes a layout (T <= 8192 in practice: a few us)
 
 // ---- groups (both modes) ----
-constexpr int kMaxGroupRanks = 8;          // peer pointers passed by value in the Params structs
+// R, ranks per EP group: per-rank words of the signal header, the u32 remote-rank masks and the one-warp loops
+// over ranks (lane = rank) are sized for 32. EP32 = 4 hosts of 8 GPUs.
+constexpr int kMaxGroupRanks = 32;
+// Ranks one group reaches by load/store on the NVLink normal-mode path (the per-token destination arrays of its
+// send kernel): that path runs for R <= num_max_nvl_peers <= 8; wider groups take the NVSHMEM kernels.
+constexpr int kMaxNvlPeers = 8;
 constexpr int kMaxTopk = 16;               // K
 
 // ---- staging buffer (cuda/include/jax_ep/staging_layout.h) ----
 constexpr int64_t kAlign = 256;            // every region of the staging buffer starts on this boundary
 constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
-constexpr int64_t kSignalHeaderBytes = 1024;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
+constexpr int64_t kSignalHeaderBytes = 2048;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
 
 // ---- low-latency mode ----
 constexpr int64_t kMaxLowLatencyExperts = 1024;  // per-expert scratch counters of the combine sender (E <= 1024)
@@ -28,8 +33,10 @@ constexpr int64_t kRankMsgHeader = 80;           // per_rank mode: i32 token, 12
 constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send and their receive (buffer halves)
 // The RDMA words of the LL region (NVSHMEM puts, EPConfig.allow_nvlink_for_low_latency=False), at offsets that do
 // not depend on the config, so every config of an axis finds them at the same place: consumed counters u64
-// [2 parities][kMaxGroupRanks] (one 256-byte block), then counted signals u64 [2 halves][kMaxLowLatencyExperts].
-constexpr int64_t kLowLatencyRdmaBytes = 256 + 2 * 8 * kMaxLowLatencyExperts;
+// [2 parities][kMaxGroupRanks] (a whole number of 256-byte blocks), then counted signals u64 [2 halves]
+// [kMaxLowLatencyExperts].
+constexpr int64_t kLowLatencyConsumedBytes = (2 * 8 * kMaxGroupRanks + 255) / 256 * 256;
+constexpr int64_t kLowLatencyRdmaBytes = kLowLatencyConsumedBytes + 2 * 8 * kMaxLowLatencyExperts;
 // Bytes at the start of every LL region, before the two halves: scratch counters, then the RDMA words.
 constexpr int64_t kLowLatencyFixedBytes = kLowLatencyScratchBytes + kLowLatencyRdmaBytes;
 

@@ -38,7 +38,11 @@ struct GroupDeviceView {
   int32_t num_ranks = 0;
   int64_t buffer_bytes = 0;
   int32_t sm_count = 0;
-  int32_t pe[kMaxGroupRanks] = {-1, -1, -1, -1, -1, -1, -1, -1};  // GroupInfo::pes, -1 when not given
+  int32_t pe[kMaxGroupRanks];  // GroupInfo::pes, -1 when not given
+
+  GroupDeviceView() {
+    for (int32_t& p : pe) p = -1;
+  }
 };
 
 // device_ordinals: CUDA device ordinals in rank order (jax Device.local_hardware_id along the mesh axis).

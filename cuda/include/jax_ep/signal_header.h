@@ -14,34 +14,40 @@
 namespace jax_ep {
 
 struct SignalHeader {
+  // Per-rank arrays first (index = the writing peer s, kMaxGroupRanks entries), then the single words.
+  static constexpr int64_t kU32PerRank = 4 * kMaxGroupRanks, kU64PerRank = 8 * kMaxGroupRanks;
+
   // ---- normal mode (cuda/kernels/normal_kernels.cu, cuda/transport/peer.cuh) ----
-  static constexpr int64_t kBarrierIn = 0;      // u32[8]: barrier arrivals of peer s, monotonic, one per op
-  static constexpr int64_t kBarrierEpoch = 32;  // u32: barriers this rank completed = the current op's epoch
-  static constexpr int64_t kCountFlag = 64;     // u32[8]: epoch at which peer s published its counts
-  static constexpr int64_t kDataFlag = 128;     // u32[8]: epoch at which peer s finished writing rows here
-  static constexpr int64_t kBlockDone = 192;    // u32: last-block-done counter of the sending kernels (reset by it)
+  static constexpr int64_t kBarrierIn = 0;                         // u32[R]: barrier arrivals of peer s, monotonic
+  static constexpr int64_t kCountFlag = kBarrierIn + kU32PerRank;  // u32[R]: epoch at which s published its counts
+  static constexpr int64_t kDataFlag = kCountFlag + kU32PerRank;   // u32[R]: epoch at which s finished its rows here
 
   // ---- low-latency mode (cuda/kernels/ll_kernels.cu, ll_protocol.cuh) ----
-  static constexpr int64_t kLlEpoch = 256;      // u32: epoch of the last LL send on this rank
-  static constexpr int64_t kLlSendDone = 260;   // u32: last-block-done counter of the send kernels (reset by it)
-  static constexpr int64_t kLlRecvDone = 264;   // u32: last-block-done counter of the receive kernels (reset by it)
-  // u32: in_flight_device = LL sends on this rank whose receive has not finished (all chains, all configs):
-  // +1 by the last block of a send, -1 by the last block of a receive. A send that finds >= 2 skips (error bit 2).
-  static constexpr int64_t kLlInFlight = 268;
-  // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
-  static constexpr int64_t kLlFusedToken = 272;
-  // u32[2][8]: consumed[h][s] = the last epoch of half h that rank s finished reading (written by s). Per half, so
+  // u32[2][R]: consumed[h][s] = the last epoch of half h that rank s finished reading (written by s). Per half, so
   // two ops in flight may be received in either order; within a half, epochs n-2, n, n+2 are strictly sequential.
-  static constexpr int64_t kLlConsumed = 288;
+  static constexpr int64_t kLlConsumed = kDataFlag + kU32PerRank;
 
   // ---- normal mode over NVSHMEM (nvshmem/device/normal_rdma.cu): words of the pairs (s, this rank) with s remote
   // (GroupCtx::remote). Written by NVSHMEM signal ops of s only, never by GPU atomics: one mechanism per word.
-  static constexpr int64_t kRdmaBarrier = 384;  // u64[8]: barrier arrivals of remote peer s (+1 per op, monotonic)
-  static constexpr int64_t kRdmaCount = 448;    // u64[8]: count puts of remote peer s landed (2 per dispatch; reset)
-  static constexpr int64_t kRdmaData = 512;     // u64[8]: remote peer s's rows delivered (announce; reset by the wait)
-  // u32: barriers of the NVSHMEM kernels this rank completed (kRdmaBarrier[s] counts those of s: only these
+  static constexpr int64_t kRdmaBarrier = kLlConsumed + 2 * kU32PerRank;  // u64[R]: barrier arrivals of remote s
+  static constexpr int64_t kRdmaCount = kRdmaBarrier + kU64PerRank;  // u64[R]: count puts of s landed (2; reset)
+  static constexpr int64_t kRdmaData = kRdmaCount + kU64PerRank;     // u64[R]: s's rows delivered (announce; reset)
+
+  // ---- single words, written by this rank only ----
+  static constexpr int64_t kSingles = kRdmaData + kU64PerRank;
+  static constexpr int64_t kBarrierEpoch = kSingles;     // u32: barriers this rank completed = the op's epoch
+  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels
+  static constexpr int64_t kLlEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
+  static constexpr int64_t kLlSendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
+  static constexpr int64_t kLlRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
+  // u32: in_flight_device = LL sends on this rank whose receive has not finished (all chains, all configs):
+  // +1 by the last block of a send, -1 by the last block of a receive. A send that finds >= 2 skips (error bit 2).
+  static constexpr int64_t kLlInFlight = kSingles + 20;
+  // u32: barriers of the NVSHMEM normal kernels this rank completed (kRdmaBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
-  static constexpr int64_t kRdmaEpoch = 576;
+  static constexpr int64_t kRdmaEpoch = kSingles + 24;
+  // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
+  static constexpr int64_t kLlFusedToken = kSingles + 32;
 };
 
 namespace signal_header_detail {

@@ -193,7 +193,7 @@ JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_t
   }
   b.scratch = region_offset;
   b.rdma_consumed = region_offset + kLowLatencyScratchBytes;
-  b.rdma_signals[0] = b.rdma_consumed + 256;
+  b.rdma_signals[0] = b.rdma_consumed + kLowLatencyConsumedBytes;
   b.rdma_signals[1] = b.rdma_signals[0] + 8 * kMaxLowLatencyExperts;
   b.half[0] = region_offset + kLowLatencyFixedBytes;
   b.half[1] = b.half[0] + half_bytes;
