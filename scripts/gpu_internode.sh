@@ -38,6 +38,10 @@ if has sanitize; then
         --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
     done
   done
+  # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N (test hook JAX_EP_TEST_WIDE_SEND)
+  [[ " ${SAN_SCRIPTS:-ll normal} " == *" normal "* ]] && run "san_memcheck_normal_wide_n${N}" 120 env \
+    JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_WIDE_SEND=1 compute-sanitizer --tool memcheck --report-api-errors no \
+    --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_normal_small.py
   [ -n "${SAN_TOOLS:-}" ] || run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 1 --timeout 110 \
     tests/gpu/sanitize_ll_small.py nvshmem

@@ -31,6 +31,7 @@
 #include <nvshmemx.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "common/preload.cuh"
 #include "device/counted_signal.cuh"
@@ -340,7 +341,12 @@ const char* dispatch_notify(const DispatchParams& p, cudaStream_t stream) {
 }
 
 const char* send_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
-  if (a.g.num_ranks <= kMaxNvlPeers)
+  // Test hook JAX_EP_TEST_WIDE_SEND=1: the 32-slot instance for any R, so that the sanitizer runs cover it on 2 GPUs.
+  static const bool wide = [] {
+    const char* v = std::getenv("JAX_EP_TEST_WIDE_SEND");
+    return v != nullptr && v[0] == '1';
+  }();
+  if (a.g.num_ranks <= kMaxNvlPeers && !wide)
     rdma_send_rows_kernel<kMaxNvlPeers><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
   else
     rdma_send_rows_kernel<kMaxGroupRanks><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);

@@ -182,8 +182,9 @@ def _mps_running() -> bool:
 
 # (processes, processes per GPU, num_max_nvl_peers): EP2 on one GPU (2 nodes of 1); EP4 on two GPUs (2 nodes of 2,
 # NVLink peers and NVSHMEM puts in one group); EP8 as 2 nodes of 4; EP16 as 2 nodes of 8 (two 8-GPU hosts: the
-# first group over kMaxNvlPeers ranks, on the NVSHMEM kernels' 32-slot send path)
-SHARED_GPU_CASES = [(2, 2, 1), (4, 2, 2), (8, 4, 4), (16, 8, 8)]
+# first group over kMaxNvlPeers ranks, on the NVSHMEM kernels' 32-slot send path); EP32 as 4 nodes of 8
+# (kMaxGroupRanks)
+SHARED_GPU_CASES = [(2, 2, 1), (4, 2, 2), (8, 4, 4), (16, 8, 8), (32, 16, 8)]
 
 
 @pytest.mark.parametrize("n,per_gpu,nvl", SHARED_GPU_CASES)
