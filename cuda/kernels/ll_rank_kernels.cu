@@ -131,13 +131,13 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
   }
 }
 
-__global__ void __launch_bounds__(kThreads) ll_rank_dispatch_recv_kernel(const DispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads) ll_rank_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
   receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The combine's weight push: the same decision as the send kernel that follows (send_decision), no state written.
-__global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_push_kernel(const CombineSendParams p) {
+__global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_push_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0) {
     bool device_error = false;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) ll_rank_combine_send_kernel(const CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads) ll_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   if (threadIdx.x == 0)
@@ -269,7 +269,7 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_recv_kernel(const CombineRecvParams p) {
+__global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
   receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
 }
 

@@ -33,20 +33,20 @@ constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per ste
 
 // ---------------------------------------------------------------------------------------------------------------
 // Barrier kernel (cached dispatch, combine, group warm-up).
-__global__ void __launch_bounds__(32, 1) barrier_kernel(const GroupCtx g) { group_barrier_block(g, "barrier"); }
+__global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ GroupCtx g) { group_barrier_block(g, "barrier"); }
 
 // Waits until every rank has signalled that its rows for this op are in this rank's staging.
 // NOTE: waiting happens in this one-warp kernel, never inside the wide copy / reduce kernels that follow it in
 // stream order: a grid of spinning blocks could starve kernels on other streams of this GPU (e.g. an NCCL
 // collective of the same program) that a peer is waiting for, and deadlock the group. Only one block ever spins.
-__global__ void __launch_bounds__(32, 1) wait_data_kernel(const GroupCtx g) {
+__global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant__ GroupCtx g) {
   if (static_cast<int>(threadIdx.x) < g.num_ranks)
     wait_peer(g, threadIdx.x, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
-__global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const DispatchParams p) {
+__global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ routing::BlockSmem sm;
   __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
 // ---------------------------------------------------------------------------------------------------------------
 // Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
 // every destination of the token (normal_device.cuh).
-__global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const SendArgs a) {
+__global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_constant__ SendArgs a) {
   const uint32_t epoch = current_epoch(a.g);
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
     int32_t rows[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
@@ -106,7 +106,7 @@ struct RecvArgs {
   int32_t* out_src_rank;            // [C] or nullptr
 };
 
-__global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs a) {
+__global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
   __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const RecvArgs 
 // NOTE (timing, 4x H200, EP4, T=4096 H=7168 K=8 E=256, num_sms=24, loop of 20 incl. 1/20 of a dispatch, one run):
 // source order + local rows via staging 1041-1079 us; interleaved + local direct 667-680 us (512 threads, unroll
 // 4), 650-673 us (unroll 8, kept), 671-691 us (1024 threads, unroll 4), 663-687 us (1024 threads, unroll 2).
-__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
   const int R = g.num_ranks, me = g.rank;
@@ -246,7 +246,7 @@ struct Pack<float> {
 constexpr int kReduceVecs = 128;
 
 template <typename Elem>
-__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __grid_constant__ CombineParams p) {
   using P = Pack<Elem>;
   constexpr int kU = kReduceVecs / 32;  // vectors per lane per item
   const GroupCtx& g = p.g;

@@ -6,7 +6,7 @@
 namespace jax_ep::routing {
 namespace {
 
-__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const Params p) {
+__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const __grid_constant__ Params p) {
   __shared__ BlockSmem sm;
   extern __shared__ int32_t s_expert[];  // [E]
   block_layout(p, sm, s_expert);

@@ -247,7 +247,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   }
 }
 
-__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const DispatchSendParams p) {
+__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const __grid_constant__ DispatchSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
@@ -336,7 +336,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
@@ -347,12 +347,12 @@ __global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const Combi
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const DispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
   const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden)};
   rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
 }
 
-__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const CombineRecvParams p) {
+__global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
   rdma_receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, RdmaWait{1}); });
 }
 

@@ -46,14 +46,8 @@ using namespace jax_ep::normal;  // NOLINT
 
 __device__ __forceinline__ bool is_remote(const GroupCtx& g, int d) { return (g.remote >> d) & 1u; }
 
-// pe_of(g, d) by an unrolled select (a dynamic index into the by-value parameter would copy it to local memory).
-__device__ __forceinline__ int pe_of(const GroupCtx& g, int d) {
-  int pe = -1;
-#pragma unroll
-  for (int i = 0; i < kMaxGroupRanks; ++i)
-    if (i == d) pe = g.pe[i];
-  return pe;
-}
+// NVSHMEM PE of rank d (a dynamic index into the __grid_constant__ parameter: transport/peer.cuh, peer_base).
+__device__ __forceinline__ int pe_of(const GroupCtx& g, int d) { return g.pe[d]; }
 
 __device__ __forceinline__ uint64_t* rdma_word(const GroupCtx& g, int64_t offset, int index) {
   return reinterpret_cast<uint64_t*>(self_base(g) + offset) + index;
@@ -120,13 +114,13 @@ __device__ uint32_t rdma_barrier_block(const GroupCtx& g, const char* what) {
   return epoch;
 }
 
-__global__ void __launch_bounds__(32, 1) rdma_barrier_kernel(const GroupCtx g) {
+__global__ void __launch_bounds__(32, 1) rdma_barrier_kernel(const __grid_constant__ GroupCtx g) {
   rdma_barrier_block(g, "barrier (NVSHMEM)");
 }
 
 // Dispatch step 1 (one block): layout, barrier, count exchange (stores to direct ranks, two counted puts to each
 // remote rank), handle counts.
-__global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const DispatchParams p) {
+__global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ routing::BlockSmem sm;
   __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
@@ -209,7 +203,7 @@ __device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t 
 // pieces: the row into the staging row the stores would fill, the record into the same row of remote_meta.
 // kSlots >= R: the per-token destination arrays (kMaxNvlPeers for R <= 8, kMaxGroupRanks above).
 template <int kSlots>
-__global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const SendArgs a) {
+__global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const __grid_constant__ SendArgs a) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, lane = lane_id(), K = a.num_weights;
@@ -274,7 +268,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const Send
 
 // Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
 // the send area (indexed by the received row) and put with its weights into the source's slot [me][token].
-__global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
@@ -317,7 +311,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const C
 
 // Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until every rank's rows of this op are in
 // this rank's staging.
-__global__ void __launch_bounds__(32, 1) rdma_wait_data_kernel(const GroupCtx g) {
+__global__ void __launch_bounds__(32, 1) rdma_wait_data_kernel(const __grid_constant__ GroupCtx g) {
   const int s = threadIdx.x;
   if (s >= g.num_ranks) return;
   if (is_remote(g, s))

@@ -183,12 +183,14 @@ def _mps_running() -> bool:
 # (processes, processes per GPU, num_max_nvl_peers): EP2 on one GPU (2 nodes of 1); EP4 on two GPUs (2 nodes of 2,
 # NVLink peers and NVSHMEM puts in one group); EP8 as 2 nodes of 4; EP16 as 2 nodes of 8 (two 8-GPU hosts: the
 # first group over kMaxNvlPeers ranks, on the NVSHMEM kernels' 32-slot send path); EP32 as 4 nodes of 8
-# (kMaxGroupRanks)
-SHARED_GPU_CASES = [(2, 2, 1), (4, 2, 2), (8, 4, 4), (16, 8, 8), (32, 16, 8)]
+# (kMaxGroupRanks) with fewer steps and tokens: each process holds every rank's inputs on the host, and 32 processes
+# with the default sizes ran out of host memory on a 256 GiB machine.
+SHARED_GPU_CASES = [(2, 2, 1, ()), (4, 2, 2, ()), (8, 4, 4, ()), (16, 8, 8, ()),
+                    (32, 16, 8, ("--steps", "20", "--tokens", "16"))]
 
 
-@pytest.mark.parametrize("n,per_gpu,nvl", SHARED_GPU_CASES)
-def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl):
+@pytest.mark.parametrize("n,per_gpu,nvl,extra", SHARED_GPU_CASES)
+def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl, extra):
     """EP groups with more ranks than GPUs: `jax_ep.launch --processes-per-gpu P` puts P processes (NVSHMEM PEs) on
     each GPU under CUDA MPS; ranks of different simulated hosts (JAX_EP_TEST_RANKS_PER_HOST = num_max_nvl_peers)
     get no pointers to each other. ll_across_hosts.py then checks low-latency and normal-mode steps, a gradient and
@@ -205,7 +207,7 @@ def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl):
         pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
     script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--processes-per-gpu", str(per_gpu),
-                "--timeout", "260", script, "--nvl", str(nvl), "--oracle", "cpu"], timeout=280,
+                "--timeout", "260", script, "--nvl", str(nvl), "--oracle", "cpu", *extra], timeout=280,
                env={"JAX_EP_TEST_RANKS_PER_HOST": str(nvl), "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
     for tag in ("unmapped", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
