@@ -2,7 +2,8 @@
 # One device call for the NVSHMEM (internode) paths: build, the multi-process NVSHMEM tests first, the whole GPU
 # suite, compute-sanitizer on simulated nodes (low-latency and normal mode), then (STEPS=bench) the EP-size
 # benchmark of both paths.
-# Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench (default build,mp,suite,sanitize).
+# Logs and a summary under $OUT. STEPS: comma list of build,mp,suite,sanitize,bench,shared (default
+# build,mp,suite,sanitize; shared: the several-processes-per-GPU cases under MPS, scripts/gpu_shared_gpu.sh).
 #   SAN_TOOLS="memcheck"  sanitizer tools at n=N (default memcheck racecheck, plus memcheck at n=1 all-remote)
 #   SUITE_FILES="..."  the suite's test files (default tests/test_native_build.py tests/gpu/test_*.py)
 #   SAN_SCRIPTS="ll normal"  which small programs run under the sanitizer (sanitize_ll_small / _normal_small)
@@ -54,8 +55,14 @@ if has bench; then
     for nvl in 8 1; do
       run "bench_${mode}_nvl${nvl}_ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n "$N" \
         -m jax_ep.bench --mode "$mode" "${shape[@]}" --loops 15 --nvl $nvl --out "$OUT/bench_${mode}_$nvl"
-      grep -E "^\||kernel\)" "$OUT/bench_${mode}_nvl${nvl}_ep$N.log" | grep -v "^\[" | sed "s/^/${mode} nvl=$nvl: /" >> "$S"
+      grep -E "^\[rank 0\] \|.*(jax_ep|kernel)" "$OUT/bench_${mode}_nvl${nvl}_ep$N.log" | cut -c10-100 \
+        | sed "s/^/${mode} nvl=$nvl: /" >> "$S"
     done
   done
+fi
+# groups larger than the GPUs (several processes per GPU under the CUDA MPS daemon): scripts/gpu_shared_gpu.sh
+if has shared; then
+  BUILD=0 OUT="$OUT" bash scripts/gpu_shared_gpu.sh > /dev/null 2>&1
+  grep -E "shared rc|^\\$" "$OUT/summary_shared.txt" >> "$S"
 fi
 cat "$S"
