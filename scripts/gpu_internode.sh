@@ -63,6 +63,6 @@ fi
 # groups larger than the GPUs (several processes per GPU under the CUDA MPS daemon): scripts/gpu_shared_gpu.sh
 if has shared; then
   BUILD=0 OUT="$OUT" bash scripts/gpu_shared_gpu.sh > /dev/null 2>&1
-  grep -E "shared rc|^\\$" "$OUT/summary_shared.txt" >> "$S"
+  grep -E "shared rc|shared_san|^\\$" "$OUT/summary_shared.txt" >> "$S"
 fi
 cat "$S"

@@ -27,4 +27,13 @@ timeout --kill-after=10 ${SHARED_LIMIT:-500} python3 -m pytest -p no:cacheprovid
   tests/gpu/test_multiprocess_cuda.py -k "${SHARED_K:-larger_than_the_gpus}" > "$OUT/shared.log" 2>&1
 echo "shared rc=$? $((SECONDS - t0))s: $(grep -E 'passed|failed' "$OUT/shared.log" | tail -1)" | tee -a "$S"
 grep -E "^\\$|RESULT (normal|low_latency|done) |FAILED|Error" "$OUT/shared.log" | cut -c1-300 | head -60 | tee -a "$S"
+# SHARED_SAN="memcheck racecheck": compute-sanitizer on the normal-mode program at R=4 (2 processes per GPU), nodes of
+# 2 (hierarchical dispatch: the forward kernel), while the daemon runs
+for tool in ${SHARED_SAN:-}; do
+  t0=$SECONDS
+  timeout --kill-after=10 150 env JAX_EP_TRANSPORT=nvshmem JAX_EP_SANITIZE_NVL=2 compute-sanitizer --tool "$tool" \
+    --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 4 --processes-per-gpu 2 --timeout 140 \
+    tests/gpu/sanitize_normal_small.py > "$OUT/shared_san_$tool.log" 2>&1
+  echo "shared_san_$tool rc=$? $((SECONDS - t0))s: $(grep -E 'SUMMARY|OK|rror' "$OUT/shared_san_$tool.log" | sort | uniq -c | head -4 | tr '\n' ' ')" | tee -a "$S"
+done
 [ -n "$MPS" ] && { echo quit | "$MPS"; echo "mps stop rc=$?" | tee -a "$S"; }

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
 
 LAYOUT = "jax_ep_layout_v1"
 STATEFUL_TARGETS = {
-    "jax_ep_dispatch_v2", "jax_ep_cached_dispatch_v2", "jax_ep_combine_v2",
+    "jax_ep_dispatch_v3", "jax_ep_cached_dispatch_v3", "jax_ep_combine_v3",
     "jax_ep_ll_dispatch_v5", "jax_ep_ll_dispatch_send_v5", "jax_ep_ll_dispatch_recv_v5",
     "jax_ep_ll_combine_v5", "jax_ep_ll_combine_send_v5", "jax_ep_ll_combine_recv_v5",
 }
@@ -113,6 +113,26 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, rdma=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
     assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 8448
+
+
+def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
+    # Hierarchical dispatch (rdma, nodes of nvl_domain = 2..8 ranks, >= 2 nodes): slots = nodes * T_max, each area
+    # aligned to 256. R=4, nvl 2 -> 2 nodes, 8 slots; records of align16(4 * (1 + 8 + 2K + ceil(H/128)) = 56) = 64:
+    #   fwd_rows align256(8 * 512) = 4096; fwd_meta align256(8 * 64) = 512; send_fwd_meta 512
+    four = {**SMALL_NORMAL, "num_ranks": 4}
+    flat = native.normal_buffer_bytes(**four, rdma=True)
+    assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=2) == flat + 4096 + 512 + 512
+    # no forwarding: nodes of 1 (flat puts), one node, a node size that does not divide R, no rdma
+    for nvl in (0, 1, 3, 4):
+        assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=nvl) == flat
+    assert native.normal_buffer_bytes(**four, rdma=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
+    # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 16 slots
+    wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
+    wide_flat = native.normal_buffer_bytes(**wide, rdma=True)
+    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=16) == wide_flat
+    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=8) == wide_flat + 16 * 512 + 2 * 1024
+    with pytest.raises(ValueError, match="nvl_domain"):
+        native.normal_buffer_bytes(**four, rdma=True, nvl_domain=-1)
 
 
 # The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][32]

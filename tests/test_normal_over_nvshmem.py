@@ -72,7 +72,7 @@ def test_lowered_normal_calls_carry_the_kernel_choice(cuda_lowering, nvl, want_r
     text = f.trace(x, idx, w).lower(lowering_platforms=("cuda",)).as_text()
     calls = [m.groups() for m in map(_NORMAL_CALL.search, text.splitlines()) if m]
     targets = sorted({t for t, _ in calls})
-    assert targets == ["jax_ep_cached_dispatch_v2", "jax_ep_combine_v2", "jax_ep_dispatch_v2"], targets
+    assert targets == ["jax_ep_cached_dispatch_v3", "jax_ep_combine_v3", "jax_ep_dispatch_v3"], targets
     for target, attrs in calls:
         assert re.search(rf"\brdma = {want_rdma} : i32", attrs), (target, attrs)
         assert re.search(rf"\bnvl_domain = {nvl} : i32", attrs), (target, attrs)
@@ -102,7 +102,7 @@ def test_size_hints_add_the_send_area_exactly_when_the_normal_ops_run_over_nvshm
     for nvl, num_ranks in ((1, 2), (2, 4), (8, 4)):
         c = cfg(num_max_nvl_peers=nvl, low_latency_buffers=False)
         over = c.normal_over_nvshmem(num_ranks)
-        want = m.normal_buffer_bytes(H, K, T, num_ranks, c.capacity(num_ranks), E, over)
+        want = m.normal_buffer_bytes(H, K, T, num_ranks, c.capacity(num_ranks), E, over, nvl if over else 0)
         hint = jax_ep.buffer_size_hint(c, num_ranks)
         assert hint.normal_bytes == want and jax_ep.rdma_size_hint(c, num_ranks) == want
         plain = m.normal_buffer_bytes(H, K, T, num_ranks, c.capacity(num_ranks), E, False)

@@ -12,7 +12,9 @@
 
 namespace jax_ep {
 
-// jax_ep_dispatch_v2, jax_ep_cached_dispatch_v2, jax_ep_combine_v2.
+// jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3 (v3: the rdma and nvl_domain attributes of normal
+// mode over NVSHMEM; a program serialized against v2 fails to load with an unknown target rather than a missing
+// attribute).
 struct NormalAttrs {
   std::string_view axis;        // str: the EP mesh axis (bind_axis)
   int32_t num_experts;          // E

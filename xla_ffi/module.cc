@@ -48,9 +48,9 @@ const std::vector<Target>& Targets() {
   static const std::vector<Target> targets = {
       {"jax_ep_layout_v1", "cpu", nullptr, JaxEpLayoutCpuV1},
       {"jax_ep_layout_v1", "CUDA", nullptr, JaxEpLayoutCudaV1},
-      {"jax_ep_dispatch_v2", "CUDA", JaxEpDispatchInstantiateV2, JaxEpDispatchCudaV2},
-      {"jax_ep_cached_dispatch_v2", "CUDA", JaxEpCachedDispatchInstantiateV2, JaxEpCachedDispatchCudaV2},
-      {"jax_ep_combine_v2", "CUDA", JaxEpCombineInstantiateV2, JaxEpCombineCudaV2},
+      {"jax_ep_dispatch_v3", "CUDA", JaxEpDispatchInstantiateV3, JaxEpDispatchCudaV3},
+      {"jax_ep_cached_dispatch_v3", "CUDA", JaxEpCachedDispatchInstantiateV3, JaxEpCachedDispatchCudaV3},
+      {"jax_ep_combine_v3", "CUDA", JaxEpCombineInstantiateV3, JaxEpCombineCudaV3},
       {"jax_ep_ll_dispatch_v5", "CUDA", JaxEpLlDispatchInstantiateV4, JaxEpLlDispatchCudaV4},
       {"jax_ep_ll_dispatch_send_v5", "CUDA", JaxEpLlDispatchSendInstantiateV4, JaxEpLlDispatchSendCudaV4},
       {"jax_ep_ll_dispatch_recv_v5", "CUDA", JaxEpLlDispatchRecvInstantiateV4, JaxEpLlDispatchRecvCudaV4},
@@ -83,7 +83,7 @@ void def_staging(nb::module_& m) {
   m.def(
       "normal_buffer_bytes",
       [](int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t capacity,
-         int64_t num_experts, bool rdma) {
+         int64_t num_experts, bool rdma, int64_t nvl_domain) {
         const char* fn = "normal_buffer_bytes";
         require_positive(fn, "hidden", hidden);
         require_positive(fn, "num_topk", num_topk);
@@ -91,13 +91,15 @@ void def_staging(nb::module_& m) {
         require_positive(fn, "num_ranks", num_ranks);
         require_positive(fn, "capacity", capacity);
         require_positive(fn, "num_experts", num_experts);
+        if (nvl_domain < 0) throw nb::value_error("normal_buffer_bytes: nvl_domain must be >= 0");
         return jax_ep::normal_buffer_bytes(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts,
-                                           rdma);
+                                           rdma, nvl_domain);
       },
       nb::arg("hidden"), nb::arg("num_topk"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"),
-      nb::arg("capacity"), nb::arg("num_experts"), nb::arg("rdma") = false,
+      nb::arg("capacity"), nb::arg("num_experts"), nb::arg("rdma") = false, nb::arg("nvl_domain") = 0,
       "Bytes of the normal-mode region one rank needs for a config (signal header included); rdma: with the send "
-      "area of the NVSHMEM normal-mode kernels (EPConfig.normal_over_nvshmem).");
+      "area of the NVSHMEM normal-mode kernels (EPConfig.normal_over_nvshmem); nvl_domain (num_max_nvl_peers, with "
+      "rdma): with the forwarding areas of hierarchical dispatch (nodes of 2 to 8 ranks, at least 2 nodes).");
   m.def(
       "low_latency_buffer_bytes",
       [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts, bool staged) {

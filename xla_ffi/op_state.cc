@@ -90,6 +90,7 @@ GroupCtx OpState::group_ctx(const Resolved& r) const {
   g.timeout_ns = config_.timeout_ns;
   for (int q = 0; q < kMaxGroupRanks; ++q) g.pe[q] = r.view.pe[q];
   g.remote = mode_ == OpMode::kNormal ? r.normal_remote : 0u;
+  g.forward_nvl = mode_ == OpMode::kNormal ? r.normal_forward_nvl : 0;
   return g;
 }
 
@@ -115,6 +116,11 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
     for (int q = 0; q < R; ++q)
       if (rg.view.peers.base[q] == nullptr) out->normal_remote |= 1u << q;
     out->normal_remote &= ~(1u << rg.view.rank);  // this rank's own rows always move by stores
+    // Hierarchical dispatch needs every rank of this rank's node mapped (the forwarder stores into them); a node
+    // with an unmapped member keeps the flat kernels (the forwarding areas of the layout stay unused).
+    out->normal_forward_nvl = 0;
+    if (forward_nodes(R, c.nvl_domain) > 0 && out->normal_remote == ll::remote_ranks(rg.view.rank, R, c.nvl_domain))
+      out->normal_forward_nvl = c.nvl_domain;
     if (rg.view.peers.base[rg.view.rank] == nullptr)
       return ffi_util::Precondition(target_, "this rank has no staging buffer in the group of mesh axis '" + axis_ + "'");
     return ffi::Error::Success();

@@ -54,6 +54,7 @@ struct Resolved {
   AxisBinding binding;
   int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, ll_offset) when an LL region is bound
   uint32_t normal_remote = 0;  // normal targets with rdma: GroupCtx::remote
+  int32_t normal_forward_nvl = 0;  // normal targets with rdma: GroupCtx::forward_nvl (hierarchical dispatch)
   ll::Ctx ll{};              // low-latency targets: the validated context (group, layout of the bound region)
 };
 

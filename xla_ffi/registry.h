@@ -9,13 +9,13 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCpuV1);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCudaV1);
 
-// normal mode: jax_ep_dispatch_v2, jax_ep_cached_dispatch_v2, jax_ep_combine_v2
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV2);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV2);
+// normal mode: jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineInstantiateV3);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineCudaV3);
 
 // low-latency mode: jax_ep_ll_dispatch_v5, jax_ep_ll_dispatch_send_v5, ..._recv_v5, jax_ep_ll_combine_v5, ...
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchInstantiateV4);

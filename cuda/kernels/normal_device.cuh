@@ -66,48 +66,51 @@ __device__ __forceinline__ void notify_outputs(const DispatchParams& p, int32_t 
   }
 }
 
-// The staging row of token t on every rank (-1: not sent there, or cut by that rank's capacity), for the whole warp:
-// rows[d] for d < kSlots (kSlots >= R; lane d computes rank d's, so R <= 32). kSlots sizes the caller's register
-// array: kMaxNvlPeers on the NVLink path (R <= 8), kMaxGroupRanks on the NVSHMEM path when R > 8.
+// The staging row of token t on rank d (-1: not sent there, or cut by that rank's capacity); any lane, d < R.
+__device__ __forceinline__ int32_t token_row(const SendArgs& a, int t, int d) {
+  const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * a.g.num_ranks + d);
+  if (sp < 0) return -1;
+  const int32_t row = __ldg(a.send_row_offset + d) + sp;
+  return row < a.capacity ? row : -1;
+}
+
+// token_row of every rank, for the whole warp: rows[d] for d < kSlots (kSlots >= R; lane d computes rank d's, so
+// R <= 32). kSlots sizes the caller's register array: kMaxNvlPeers on the NVLink path (R <= 8), kMaxGroupRanks on
+// the NVSHMEM path when R > 8.
 template <int kSlots>
 __device__ __forceinline__ void token_rows(const SendArgs& a, int t, int32_t* rows) {
   static_assert(kSlots <= 32, "one lane per rank");
-  const int R = a.g.num_ranks, lane = lane_id();
-  int my_row = -1;
-  if (lane < R) {
-    const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * R + lane);
-    if (sp >= 0) {
-      const int32_t row = __ldg(a.send_row_offset + lane) + sp;
-      if (row < a.capacity) my_row = row;
-    }
-  }
+  const int lane = lane_id();
+  const int my_row = lane < a.g.num_ranks ? token_row(a, t, lane) : -1;
 #pragma unroll
   for (int d = 0; d < kSlots; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
 }
 
-// The destination's view of top-k entry k of token t (SPEC): its local expert id where the expert lives on rank d,
-// else -1 with weight 0. Without ids (cached dispatch) the weight as is.
-__device__ __forceinline__ void local_entry(const SendArgs& a, int t, int k, int d, int32_t* id, float* w) {
-  const int K = a.num_weights;
-  *w = __ldg(a.weights + static_cast<int64_t>(t) * K + k);
+// The destination's view of a top-k entry (global expert e, weight w) of a token (SPEC): its local expert id where
+// the expert lives on rank d, else -1 with weight 0. Without ids (cached dispatch: has_ids false) the weight as is.
+__device__ __forceinline__ void local_entry_of(int32_t e, float w, bool has_ids, int d, int experts_per_rank,
+                                               int num_ranks, int32_t* id, float* w_out) {
+  *w_out = w;
   *id = -1;
-  if (a.topk_idx == nullptr) return;
-  int32_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + k);
-  if (!routing::valid_expert(e, a.experts_per_rank * a.g.num_ranks)) e = -1;
-  *id = (e >= 0 && e / a.experts_per_rank == d) ? e - d * a.experts_per_rank : -1;
-  if (*id < 0) *w = 0.0f;
+  if (!has_ids) return;
+  if (!routing::valid_expert(e, experts_per_rank * num_ranks)) e = -1;
+  *id = (e >= 0 && e / experts_per_rank == d) ? e - d * experts_per_rank : -1;
+  if (*id < 0) *w_out = 0.0f;
 }
 
-// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank d with
-// rows[d] >= 0, through g.peers.base[d]: one warp, 16-byte vectors, each loaded once and stored to every
-// destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows).
-template <int kSlots>
-__device__ __forceinline__ void store_token(const SendArgs& a, int t, const int32_t* rows) {
-  const GroupCtx& g = a.g;
-  const BufferLayout& B = g.layout;
+// local_entry_of for top-k entry k of token t of this rank's inputs.
+__device__ __forceinline__ void local_entry(const SendArgs& a, int t, int k, int d, int32_t* id, float* w) {
+  const int64_t at = static_cast<int64_t>(t) * a.num_weights + k;
+  const bool has_ids = a.topk_idx != nullptr;
+  local_entry_of(has_ids ? __ldg(a.topk_idx + at) : -1, __ldg(a.weights + at), has_ids, d, a.experts_per_rank,
+                 a.g.num_ranks, id, w);
+}
+
+// One warp: a row of n16 16-byte vectors from `src` into dst_of(d) for every d < kSlots with rows[d] >= 0, each
+// vector loaded once (kSendUnroll in flight per lane) and stored to every destination.
+template <int kSlots, class DstOf>
+__device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int32_t* rows, DstOf dst_of) {
   const int lane = lane_id();
-  const int n16 = a.row_bytes / 16;
-  const int4* src = reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes);
   for (int base = 0; base < n16; base += 32 * kSendUnroll) {
     int4 v[kSendUnroll];
 #pragma unroll
@@ -118,7 +121,7 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
 #pragma unroll
     for (int d = 0; d < kSlots; ++d) {
       if (rows[d] < 0) continue;
-      int4* dst = reinterpret_cast<int4*>(g.peers.base[d] + B.payload + static_cast<int64_t>(rows[d]) * a.row_bytes);
+      int4* dst = dst_of(d);
 #pragma unroll
       for (int j = 0; j < kSendUnroll; ++j) {
         const int i = base + j * 32 + lane;
@@ -126,6 +129,21 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
       }
     }
   }
+}
+
+// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank d with
+// rows[d] >= 0, through g.peers.base[d]: one warp, 16-byte vectors, each loaded once and stored to every
+// destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows).
+template <int kSlots>
+__device__ __forceinline__ void store_token(const SendArgs& a, int t, const int32_t* rows) {
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int lane = lane_id();
+  fan_out_row<kSlots>(reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes), a.row_bytes / 16,
+                      rows, [&](int d) {
+                        return reinterpret_cast<int4*>(g.peers.base[d] + B.payload +
+                                                       static_cast<int64_t>(rows[d]) * a.row_bytes);
+                      });
   for (int j = lane; j < a.scale_cols; j += 32) {
     const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
 #pragma unroll

@@ -347,8 +347,7 @@ Status launch_barrier_on(const GroupCtx& g, const NormalRdmaOps* ops, cudaStream
 Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
                              const NormalRdmaOps* ops, cudaStream_t stream) {
   if (ops != nullptr) {
-    JAX_EP_RETURN_IF_ERROR(from_message(ops->send_rows(s, clamp_blocks(num_sms), stream)));
-    JAX_EP_RETURN_IF_ERROR(from_message(ops->wait_data(r.g, stream)));
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->send_and_receive_rows(s, clamp_blocks(num_sms), stream)));
   } else {
     send_rows_kernel<<<clamp_blocks(num_sms), kSendThreads, 0, stream>>>(s);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());

@@ -88,7 +88,7 @@ def match_varying(*xs):
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_local_experts, attrs):
-    """jax_ep_dispatch_v2. x_scales [T, S] f32 (S = 0 for bf16). Returns the 11 results in binding order:
+    """jax_ep_dispatch_v3. x_scales [T, S] f32 (S = 0 for bf16). Returns the 11 results in binding order:
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens, num_recv_tokens_per_expert,
     send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset."""
     x, x_scales, topk_idx, topk_weights = match_varying(x, x_scales, topk_idx, topk_weights)
@@ -110,7 +110,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_lo
         result_type(x, (R,), i32),
         result_type(x, (R,), i32),
     )
-    return _call("jax_ep_dispatch_v2", types, x, x_scales, topk_idx, topk_weights, **attrs)
+    return _call("jax_ep_dispatch_v3", types, x, x_scales, topk_idx, topk_weights, **attrs)
 
 
 def _move_rows(target, rows, weights, handle, out_rows, attrs):
@@ -125,13 +125,13 @@ def _move_rows(target, rows, weights, handle, out_rows, attrs):
 
 
 def cached_dispatch(payload, weights, *handle, attrs):
-    """jax_ep_cached_dispatch_v2: payload [T, W] and weights [T, Kw] to the receivers -> ([C, W], [C, Kw])."""
-    return _move_rows("jax_ep_cached_dispatch_v2", payload, weights, handle, handle[1].shape[0], attrs)
+    """jax_ep_cached_dispatch_v3: payload [T, W] and weights [T, Kw] to the receivers -> ([C, W], [C, Kw])."""
+    return _move_rows("jax_ep_cached_dispatch_v3", payload, weights, handle, handle[1].shape[0], attrs)
 
 
 def combine(values, weights, *handle, attrs):
-    """jax_ep_combine_v2: values [C, W] and weights [C, Kw] back to the sources, summed -> ([T, W], [T, Kw])."""
-    return _move_rows("jax_ep_combine_v2", values, weights, handle, handle[0].shape[0], attrs)
+    """jax_ep_combine_v3: values [C, W] and weights [C, Kw] back to the sources, summed -> ([T, W], [T, Kw])."""
+    return _move_rows("jax_ep_combine_v3", values, weights, handle, handle[0].shape[0], attrs)
 
 
 # ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------

@@ -109,8 +109,10 @@ def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
     except ValueError as e:
         raise EPError(f"jax_ep.buffer_size_hint: {e}") from None
     m = _layout_module()
+    over = cfg.normal_over_nvshmem(num_ranks)
     normal = int(m.normal_buffer_bytes(cfg.hidden, cfg.num_topk, cfg.max_tokens_per_rank, num_ranks,
-                                       cfg.capacity(num_ranks), cfg.num_experts, cfg.normal_over_nvshmem(num_ranks)))
+                                       cfg.capacity(num_ranks), cfg.num_experts, over,
+                                       cfg.num_max_nvl_peers if over else 0))
     low_latency = 0
     if cfg.uses_low_latency_buffers():
         low_latency = int(m.low_latency_buffer_bytes(cfg.hidden, cfg.max_tokens_per_rank, num_ranks, cfg.num_experts,

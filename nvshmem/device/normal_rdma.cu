@@ -22,8 +22,17 @@
 //               reset to 0; direct source: the NVLink data flag.
 // One mechanism per word: the kRdma* words of a pair are only touched by NVSHMEM signal ops of the remote peer and
 // by this rank's own loads / resets; the NVLink words only by GPU stores and atomics of direct peers.
-// Traffic: one copy per (token, destination rank) crosses the domain boundary; forwarding one copy per destination
-// *node* through the node's NVLink peers (DeepEP's hierarchical kernels) is not built (docs/INTERNODE.md).
+//   forwarded   hierarchical dispatch (GroupCtx::forward_nvl = num_max_nvl_peers > 1: nodes of 2-8 ranks): a token
+//               crosses to each destination node once, as one row and one forward record (its destination rows in
+//               that node, global ids, weights, scales) put into the forwarding area of the node's rank with this
+//               rank's local index (the forwarder), slot [source node][token]. The forwarder waits for the sources
+//               of its local index (their completion words), then stores each forwarded row and its meta record over
+//               NVLink into the staging rows of its node's destinations (the rows the flat kernels would have put),
+//               and flags its node's ranks: a rank's receive waits for its node's ranks only.
+//               Record tags are cleared at every barrier, before this rank arrives: a non-zero tag was put this op.
+// Traffic: dispatch, one copy per (token, destination node) with forwarding, else per (token, destination rank);
+// combine, one row per (received row, remote source): its reduction inside the node first (DeepEP) would change
+// the order of the sum, which is bit-identical across splits today (docs/INTERNODE.md).
 // NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
 // its previous op's wait kernel, which saw every peer's pieces complete; so no put of op n is in flight, and no
 // counted word is non-zero, when op n + 1 writes the send area or sends.
@@ -95,8 +104,16 @@ __device__ uint32_t rdma_barrier_block(const GroupCtx& g, const char* what) {
   char* self = self_base(g);
   const uint32_t epoch = current_epoch(g) + 1;
   const uint32_t rdma_epoch = *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kRdmaEpoch) + 1;
-  __syncthreads();  // everyone has read the old epochs before thread 0 advances them below
   const int tid = threadIdx.x;
+  if (g.forward_nvl > 0) {
+    // Forward record tags to 0 before any source can put this op's records (after this barrier); the fence below
+    // orders the clears before this rank's arrivals.
+    const BufferLayout& B = g.layout;
+    for (int64_t i = tid; i < B.fwd_nodes * B.fwd_slots; i += blockDim.x)
+      *reinterpret_cast<uint32_t*>(self + B.fwd_meta + i * B.fwd_stride) = 0u;
+    __threadfence_system();
+  }
+  __syncthreads();  // everyone has read the old epochs before thread 0 advances them below
   if (tid < g.num_ranks) {
     if (is_remote(g, tid)) {
       nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaBarrier, g.rank), 1, NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
@@ -175,26 +192,69 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) rdma_notify_kernel(const __
   notify_outputs(p, s_counts);
 }
 
-// End of a sending kernel, every thread of every block, after each warp's nvshmem_quiet: the last block to finish
-// announces completion to every remote rank (a counted word with zero counted messages: complete at once) and
-// flags every direct rank (finish_and_signal_data of the NVLink kernels).
-__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch) {
+// The last block of a grid to get here (every thread of every block calls it; a block's stores and each warp's
+// nvshmem_quiet come before) returns true in thread 0 of that block, with every block's work visible at system
+// scope; the counter is reset for the next sending kernel.
+__device__ __forceinline__ bool last_block_done(const GroupCtx& g) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's stores to direct peers happen before it is counted
-    uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      atomicExch(done, 0u);  // every block has counted itself: reset for the next op
-      __threadfence_system();  // every block's quiet (its puts delivered) happens before the announcements
-      for (int d = 0; d < g.num_ranks; ++d) {
-        if (is_remote(g, d)) {
-          nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(0), NVSHMEM_SIGNAL_ADD,
-                             pe_of(g, d));
-        } else {
-          signal_peer(g, d, SignalHeader::kDataFlag, epoch);
-        }
-      }
+  if (threadIdx.x != 0) return false;
+  __threadfence_system();  // this block's stores to direct peers happen before it is counted
+  uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
+  if (atomicAdd(done, 1u) != gridDim.x - 1) return false;
+  atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+  __threadfence_system();  // every block's quiet (its puts delivered) happens before the caller's announcements
+  return true;
+}
+
+// End of a flat sending kernel: the last block announces completion to every remote rank (a counted word with zero
+// counted messages: complete at once) and flags every direct rank (finish_and_signal_data of the NVLink kernels).
+// forwarded (hierarchical dispatch's send): announces to the forwarders only (the remote ranks of this rank's
+// local index); the direct ranks are flagged by the forward kernel, after the rows it forwards to them.
+__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch, bool forwarded = false) {
+  if (!last_block_done(g)) return;
+  for (int d = 0; d < g.num_ranks; ++d) {
+    if (is_remote(g, d)) {
+      if (!forwarded || d % g.forward_nvl == g.rank % g.forward_nvl)
+        nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(0), NVSHMEM_SIGNAL_ADD,
+                           pe_of(g, d));
+    } else if (!forwarded) {
+      signal_peer(g, d, SignalHeader::kDataFlag, epoch);
     }
+  }
+}
+
+// Hierarchical dispatch, one warp: token t (its row staged at s_row) to every other node with a destination in it,
+// as one row and one forward record (BufferLayout) put into slot [this node][t] of the node's forwarder (the rank
+// of this rank's local index). Lane j computes the row of local rank j of the node.
+__device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const char* s_row) {
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int nvl = g.forward_nvl, nodes = g.num_ranks / nvl, my_node = g.rank / nvl, lane = lane_id();
+  const int K = a.num_weights;
+  const int64_t Km = B.meta_k;
+  char* self = self_base(g);
+  const int rec_bytes = static_cast<int>(forward_record_bytes(Km, a.scale_cols));
+  for (int n = 0; n < nodes; ++n) {
+    if (n == my_node) continue;
+    const int32_t row = lane < nvl ? token_row(a, t, n * nvl + lane) : -1;
+    if (__ballot_sync(0xffffffffu, row >= 0) == 0u) continue;  // no destination in node n
+    char* rec = self + B.send_fwd_meta + (static_cast<int64_t>(t) * nodes + n) * B.fwd_stride;
+    if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = 1u;
+    if (lane < kMaxNvlPeers) reinterpret_cast<int32_t*>(rec + 4)[lane] = row;
+    if (lane < K) {
+      const int64_t at = static_cast<int64_t>(t) * K + lane;
+      reinterpret_cast<int32_t*>(rec + 4 * (1 + kMaxNvlPeers))[lane] = a.topk_idx != nullptr ? __ldg(a.topk_idx + at) : -1;
+      reinterpret_cast<float*>(rec + 4 * (1 + kMaxNvlPeers + Km))[lane] = __ldg(a.weights + at);
+    }
+    float* scales = reinterpret_cast<float*>(rec + 4 * (1 + kMaxNvlPeers + 2 * Km));
+    for (int j = lane; j < a.scale_cols; j += 32)
+      scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
+    __threadfence();  // the record is in memory before the put reads it
+    __syncwarp();
+    const int pe = pe_of(g, n * nvl + g.rank % nvl);
+    const int64_t slot = static_cast<int64_t>(my_node) * B.fwd_slots + t;
+    put_plain(self + B.fwd_rows + slot * a.row_bytes, s_row, a.row_bytes, pe);
+    put_plain(self + B.fwd_meta + slot * B.fwd_stride, rec, rec_bytes, pe);
   }
 }
 
@@ -229,6 +289,11 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const __gr
     warp_copy_row(reinterpret_cast<int4*>(s_row), reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) *
                                                                                       a.row_bytes),
                   a.row_bytes);
+    if (g.forward_nvl > 0) {
+      __threadfence();  // the staged row is in memory before a put reads it
+      put_forwarded(a, t, s_row);
+      continue;
+    }
     // One meta record per remote destination (its local ids and weights differ): weights, ids, source index,
     // scales (staging_layout.h); cached dispatch only has weights.
     const int64_t Km = B.meta_k;
@@ -263,7 +328,63 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const __gr
     }
   }
   if (put_any) nvshmem_quiet();  // this warp's puts (every lane issued part of them) are delivered
-  finish_and_announce(g, epoch);
+  finish_and_announce(g, epoch, g.forward_nvl > 0);
+}
+
+// Hierarchical dispatch, after the sources of this rank's local index have announced (wait kernel, kWaitForwarders):
+// every forwarded token of slot [node][t] (tag set) goes to the destination rows of this node its record names,
+// over NVLink: the row into payload, the destination's meta record (its local ids and weights, source index,
+// scales) into remote_meta, as the flat kernels' puts would have. The last block then flags this node's ranks.
+// One warp per (source node, token); the direct rows of this rank's own send kernel are in place (stream order).
+__global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid_constant__ SendArgs a) {
+  const GroupCtx& g = a.g;
+  const BufferLayout& B = g.layout;
+  const int nvl = g.forward_nvl, R = g.num_ranks, nodes = R / nvl, my_node = g.rank / nvl, lane = lane_id();
+  const int K = a.num_weights;
+  const int64_t Km = B.meta_k;
+  const bool has_ids = a.topk_idx != nullptr;
+  const bool full_record = has_ids || a.write_src_idx || a.scale_cols > 0;
+  const uint32_t epoch = current_epoch(g);
+  const char* self = self_base(g);
+  const int64_t total = static_cast<int64_t>(nodes) * a.num_tokens;
+  for (int64_t item = global_warp(); item < total; item += num_global_warps()) {
+    const int n = static_cast<int>(item % nodes), t = static_cast<int>(item / nodes);
+    if (n == my_node) continue;
+    const int64_t slot = static_cast<int64_t>(n) * B.fwd_slots + t;
+    const char* rec = self + B.fwd_meta + slot * B.fwd_stride;
+    if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) == 0u) continue;  // no destination in this node
+    int32_t rows[kMaxNvlPeers];
+    const int32_t my_row = lane < nvl ? __ldcg(reinterpret_cast<const int32_t*>(rec + 4) + lane) : -1;
+#pragma unroll
+    for (int j = 0; j < kMaxNvlPeers; ++j) rows[j] = __shfl_sync(0xffffffffu, my_row, j);
+    fan_out_row<kMaxNvlPeers>(reinterpret_cast<const int4*>(self + B.fwd_rows + slot * a.row_bytes), a.row_bytes / 16,
+                              rows, [&](int j) {
+                                return reinterpret_cast<int4*>(peer_base(g, my_node * nvl + j) + B.payload +
+                                                               static_cast<int64_t>(rows[j]) * a.row_bytes);
+                              });
+    const int32_t* ids = reinterpret_cast<const int32_t*>(rec + 4 * (1 + kMaxNvlPeers));
+    const float* ws = reinterpret_cast<const float*>(rec + 4 * (1 + kMaxNvlPeers + Km));
+    const float* scales = reinterpret_cast<const float*>(rec + 4 * (1 + kMaxNvlPeers + 2 * Km));
+#pragma unroll
+    for (int j = 0; j < kMaxNvlPeers; ++j) {
+      if (rows[j] < 0) continue;
+      const int d = my_node * nvl + j;
+      char* out = peer_base(g, d) + B.remote_meta + static_cast<int64_t>(rows[j]) * B.meta_stride;
+      if (lane < K) {
+        int32_t id;
+        float w;
+        local_entry_of(has_ids ? __ldcg(ids + lane) : -1, __ldcg(ws + lane), has_ids, d, a.experts_per_rank, R, &id,
+                       &w);
+        reinterpret_cast<float*>(out)[lane] = w;
+        if (full_record) reinterpret_cast<int32_t*>(out + 4 * Km)[lane] = id;
+      }
+      if (full_record && lane == 0) *reinterpret_cast<int32_t*>(out + 8 * Km) = t;
+      float* out_scales = reinterpret_cast<float*>(out + 4 * (2 * Km + 1));
+      for (int c = lane; c < a.scale_cols; c += 32) out_scales[c] = __ldcg(scales + c);
+    }
+  }
+  if (!last_block_done(g)) return;
+  for (int j = 0; j < nvl; ++j) signal_peer(g, my_node * nvl + j, SignalHeader::kDataFlag, epoch);
 }
 
 // Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
@@ -309,15 +430,24 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
   finish_and_announce(g, epoch);
 }
 
-// Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until every rank's rows of this op are in
-// this rank's staging.
-__global__ void __launch_bounds__(32, 1) rdma_wait_data_kernel(const __grid_constant__ GroupCtx g) {
+// Which announcements a wait kernel waits for.
+enum WaitFor : int {
+  kWaitAll = 0,         // flat kernels: every remote rank's completion word, every direct rank's data flag
+  kWaitForwarders = 1,  // hierarchical dispatch, before forwarding: the remote ranks of this rank's local index
+  kWaitNode = 2,        // hierarchical dispatch, after forwarding: the data flags of this node's ranks
+};
+
+// Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until the rows of the ranks `which` names
+// are in this rank's staging (kWaitForwarders: in its forwarding area).
+__global__ void __launch_bounds__(32, 1) rdma_wait_data_kernel(const __grid_constant__ GroupCtx g, int which) {
   const int s = threadIdx.x;
   if (s >= g.num_ranks) return;
-  if (is_remote(g, s))
+  if (is_remote(g, s)) {
+    if (which == kWaitNode || (which == kWaitForwarders && s % g.forward_nvl != g.rank % g.forward_nvl)) return;
     wait_complete_and_reset(rdma_word(g, SignalHeader::kRdmaData, s), g, "receive (NVSHMEM, data from peers)", s);
-  else
+  } else if (which != kWaitForwarders) {
     wait_peer(g, s, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
+  }
 }
 
 int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
@@ -334,7 +464,8 @@ const char* dispatch_notify(const DispatchParams& p, cudaStream_t stream) {
   return launch_error("dispatch notify (NVSHMEM)");
 }
 
-const char* send_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
+// Dispatch / cached dispatch: send, and (hierarchical) forward, until every row of the op is in this rank's staging.
+const char* send_and_receive_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
   // Test hook JAX_EP_TEST_WIDE_SEND=1: the 32-slot instance for any R, so that the sanitizer runs cover it on 2 GPUs.
   static const bool wide = [] {
     const char* v = std::getenv("JAX_EP_TEST_WIDE_SEND");
@@ -344,7 +475,15 @@ const char* send_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
     rdma_send_rows_kernel<kMaxNvlPeers><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
   else
     rdma_send_rows_kernel<kMaxGroupRanks><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
-  return launch_error("dispatch send (NVSHMEM)");
+  if (const char* err = launch_error("dispatch send (NVSHMEM)")) return err;
+  if (a.g.forward_nvl > 0) {
+    rdma_wait_data_kernel<<<1, 32, 0, stream>>>(a.g, kWaitForwarders);
+    if (const char* err = launch_error("dispatch forward wait (NVSHMEM)")) return err;
+    rdma_forward_kernel<<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
+    if (const char* err = launch_error("dispatch forward (NVLink)")) return err;
+  }
+  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(a.g, a.g.forward_nvl > 0 ? kWaitNode : kWaitAll);
+  return launch_error("normal-mode receive wait (NVSHMEM)");
 }
 
 const char* combine_send(const CombineParams& p, int blocks, cudaStream_t stream) {
@@ -353,11 +492,12 @@ const char* combine_send(const CombineParams& p, int blocks, cudaStream_t stream
 }
 
 const char* wait_data(const GroupCtx& g, cudaStream_t stream) {
-  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(g);
+  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(g, kWaitAll);
   return launch_error("normal-mode receive wait (NVSHMEM)");
 }
 
-const NormalRdmaOps kOps = {kNormalRdmaAbi, &barrier, &dispatch_notify, &send_rows, &combine_send, &wait_data};
+const NormalRdmaOps kOps = {kNormalRdmaAbi, &barrier, &dispatch_notify, &send_and_receive_rows, &combine_send,
+                            &wait_data};
 
 }  // namespace
 
@@ -368,6 +508,7 @@ Status preload_normal_kernels() {
                   reinterpret_cast<const void*>(rdma_send_rows_kernel<kMaxNvlPeers>),
                   reinterpret_cast<const void*>(rdma_send_rows_kernel<kMaxGroupRanks>),
                   reinterpret_cast<const void*>(rdma_combine_send_kernel),
+                  reinterpret_cast<const void*>(rdma_forward_kernel),
                   reinterpret_cast<const void*>(rdma_wait_data_kernel)});
 }
 

@@ -2,7 +2,8 @@
 processes (2: two simulated nodes of one GPU, num_max_nvl_peers=1, so the other rank is reached by NVSHMEM puts;
 nvshmem/device/normal_rdma.cu, kernel names rdma_*), T=16, H=256, K=4, E=8: bf16 and fp8 dispatch, combine and
 a gradient through both (cached dispatch), three rounds with new routing. Checks the received counts against NumPy
-and the combine against the reference formula, and prints 'sanitize_normal_small: OK' at the end.
+and the combine against the reference formula, and prints 'sanitize_normal_small: OK' at the end. JAX_EP_SANITIZE_NVL=k sets num_max_nvl_peers (default 1); k = 2
+with 4 processes (`--processes-per-gpu 2` under CUDA MPS on 2 GPUs) runs hierarchical dispatch (the forward kernel).
 
     JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool memcheck --kernel-name kns=rdma_ \
         python3 -m jax_ep.launch -n 2 tests/gpu/sanitize_normal_small.py
@@ -30,10 +31,11 @@ def main():
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     R = len(devices)
     mesh = Mesh(np.array(devices), ("ep",))
-    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0, num_max_nvl_peers=1,
+    nvl = int(os.environ.get("JAX_EP_SANITIZE_NVL", "1"))
+    cfg = jax_ep.EPConfig(E, H, K, T, backend="cuda", timeout_seconds=60.0, num_max_nvl_peers=nvl,
                           low_latency_buffers=False)
     jax_ep.initialize(mesh, cfg)
-    print(f"normal_over_nvshmem={cfg.normal_over_nvshmem(R)} R={R}")
+    print(f"normal_over_nvshmem={cfg.normal_over_nvshmem(R)} R={R} num_max_nvl_peers={nvl}")
 
     def body(x, idx, w):
         o = jax_ep.dispatch(x, idx, w, cfg)

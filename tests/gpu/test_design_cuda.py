@@ -181,7 +181,7 @@ def test_exported_cuda_program_runs_in_a_fresh_process(tmp_path):
 
     f = jax.jit(jax.shard_map(lambda *a: _round_trips(cfg)(*a)[0], mesh=mesh, in_specs=(SPEC,) * 3,
                               out_specs=SPEC))
-    targets = ["jax_ep_dispatch_v2", "jax_ep_combine_v2", "jax_ep_ll_dispatch_v5", "jax_ep_ll_combine_v5",
+    targets = ["jax_ep_dispatch_v3", "jax_ep_combine_v3", "jax_ep_ll_dispatch_v5", "jax_ep_ll_combine_v5",
                "jax_ep_layout_v1"]
     exp = jax.export.export(f, disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets])(
         x, idx, w)

@@ -114,7 +114,7 @@ def test_compiled_hlo_has_no_stray_collectives():
     hlo = _program(cfg, mesh).lower(x, idx, w).compile().as_text()
     for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
         assert op not in hlo, f"compiled program contains {op}"
-    assert "jax_ep_dispatch_v2" in hlo and "jax_ep_combine_v2" in hlo
+    assert "jax_ep_dispatch_v3" in hlo and "jax_ep_combine_v3" in hlo
 
 
 def test_trace_time_initialization_logs_once(caplog):

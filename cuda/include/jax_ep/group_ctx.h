@@ -26,6 +26,9 @@ struct GroupCtx {
   // Normal mode over NVSHMEM (EPConfig.normal_over_nvshmem): bit q = rank q is reached by NVSHMEM puts and signal
   // ops only (another NVLink domain, or no load/store mapping); never this rank's bit. 0: every rank by pointers.
   uint32_t remote;
+  // Hierarchical dispatch over NVSHMEM (BufferLayout::fwd_nodes > 0 and `remote` = exactly the ranks of other nodes):
+  // the node size num_max_nvl_peers; 0: the flat NVSHMEM kernels (or none).
+  int32_t forward_nvl;
 };
 
 }  // namespace jax_ep

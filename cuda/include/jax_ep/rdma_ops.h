@@ -42,13 +42,16 @@ struct NormalRdmaOps {
   uint64_t abi;
   const char* (*barrier)(const GroupCtx& g, cudaStream_t stream);
   const char* (*dispatch_notify)(const normal::DispatchParams& p, cudaStream_t stream);
-  const char* (*send_rows)(const normal::SendArgs& a, int blocks, cudaStream_t stream);
+  // Dispatch and cached dispatch: sends this rank's rows and waits (hierarchical: forwards, then waits) until every
+  // row of the op is in this rank's staging; the copy-out follows in stream order.
+  const char* (*send_and_receive_rows)(const normal::SendArgs& a, int blocks, cudaStream_t stream);
+  // Combine: sends this rank's received rows back; wait_data then waits for every rank's.
   const char* (*combine_send)(const normal::CombineParams& p, int blocks, cudaStream_t stream);
   const char* (*wait_data)(const GroupCtx& g, cudaStream_t stream);
 };
 
 constexpr uint64_t kNormalRdmaAbi =
-    (uint64_t{1} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
+    (uint64_t{2} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
     (sizeof(normal::CombineParams) << 12) ^ sizeof(GroupCtx) ^ (sizeof(BufferLayout) << 40);
 
 Status set_normal_rdma_ops(const NormalRdmaOps* ops);

@@ -48,17 +48,41 @@ struct BufferLayout {
   int64_t send_meta;       // records [T_max][R] (ids and weights are per destination)
   int64_t send_weights;    // f32 [rows][K]: the combine's weights
   int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
+  // Hierarchical dispatch (forward_nodes() > 0: nodes of nvl_domain >= 2 ranks; 0 otherwise). A token crosses to
+  // another node once, to the rank of that node with this rank's local index (the forwarder), which stores it over
+  // NVLink into each of its node's destination ranks (nvshmem/device/normal_rdma.cu):
+  //   record = [tag u32 | destination rows i32 kMaxNvlPeers | global ids i32 K | weights f32 K |
+  //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
+  int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)
+  int64_t fwd_slots;       // T_max: slot (node n, token t) = n * fwd_slots + t
+  int64_t fwd_stride;      // bytes per forward record
+  int64_t fwd_rows;        // rows [nodes][T_max] x payload_stride: received for forwarding, by source node
+  int64_t fwd_meta;        // records [nodes][T_max], by source node
+  int64_t send_fwd_meta;   // records [T_max][nodes], by destination node (the sources of the puts)
   int64_t total;           // bytes
 };
+
+// Nodes of a normal-mode group over NVSHMEM that dispatches hierarchically (one copy per token and node, forwarded
+// inside the node over NVLink), or 0 for the flat kernels (one copy per token and destination rank): nodes of at
+// least 2 and at most kMaxNvlPeers ranks, at least 2 of them, R a multiple of the node size.
+JAX_EP_HD int64_t forward_nodes(int64_t num_ranks, int64_t nvl_domain) {
+  if (nvl_domain < 2 || nvl_domain > kMaxNvlPeers || num_ranks % nvl_domain != 0) return 0;
+  return num_ranks / nvl_domain >= 2 ? num_ranks / nvl_domain : 0;
+}
+
+JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
+  return 4 * (1 + kMaxNvlPeers + 2 * num_topk + scale_cols);
+}
 
 JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4));
 }
 
-// rdma: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area.
+// rdma: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area;
+// nvl_domain (num_max_nvl_peers, with rdma): the forwarding areas of hierarchical dispatch where forward_nodes > 0.
 JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank,
                                           int64_t num_ranks, int64_t capacity, int64_t num_experts,
-                                          bool rdma = false) {
+                                          bool rdma = false, int64_t nvl_domain = 0) {
   BufferLayout b{};
   b.rows = capacity > num_ranks * max_tokens_per_rank ? capacity : num_ranks * max_tokens_per_rank;
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
@@ -80,13 +104,25 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
     b.send_weights = b.send_meta + align_up(max_tokens_per_rank * num_ranks * b.meta_stride);
     b.expert_out = b.send_weights + align_up(b.rows * 4 * num_topk);
     b.total = b.expert_out + align_up(num_experts * 4);
+    b.fwd_nodes = forward_nodes(num_ranks, nvl_domain);
+    if (b.fwd_nodes > 0) {
+      const int64_t slots = b.fwd_nodes * max_tokens_per_rank;
+      b.fwd_slots = max_tokens_per_rank;
+      b.fwd_stride = align_up(forward_record_bytes(num_topk, scale_cols), 16);
+      b.fwd_rows = b.total;
+      b.fwd_meta = b.fwd_rows + align_up(slots * b.payload_stride);
+      b.send_fwd_meta = b.fwd_meta + align_up(slots * b.fwd_stride);
+      b.total = b.send_fwd_meta + align_up(slots * b.fwd_stride);
+    }
   }
   return b;
 }
 
 inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks,
-                                   int64_t capacity, int64_t num_experts, bool rdma = false) {
-  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts, rdma).total;
+                                   int64_t capacity, int64_t num_experts, bool rdma = false,
+                                   int64_t nvl_domain = 0) {
+  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts, rdma,
+                            nvl_domain).total;
 }
 
 // ---- low-latency mode -----------------------------------------------------------------------------------------

@@ -210,16 +210,26 @@ assert gerr <= 2 ** -6 * max(1.0, np.max(np.abs(gref.astype(np.float64)))), gerr
 assert int(ngot["n"].sum()) > 0
 result("normal", steps=S, rows=int(ngot["n"].sum()), grad_err=f"{gerr:.3g}")
 
-# One copy per (own token, destination rank on another host) for dispatch: the bf16 row, K local ids, K weights and
-# the source index; one row per (received row from another host) back in the combine: the bf16 row and K weights.
-# (With hosts of one rank, a destination rank is a destination node: the one copy per (token, node).)
+# Dispatch: with hosts of 2-8 ranks (hierarchical dispatch, staging_layout.h forward_nodes), one copy per (own token,
+# destination host): the bf16 row and one forward record (tag, 8 destination rows, K global ids, K weights); with
+# hosts of one rank, one copy per (own token, destination rank on another host): the bf16 row and one meta record
+# (K local ids, K weights, the source index). Combine: one row per (received row from another host): the bf16 row
+# and K weights.
 if counting:
     dest = np.stack([(owner == d).any(-1) for d in range(R)], axis=-1)           # [S, R*T, R] token -> rank d
     remote_dest = dest[:, mine][..., host_of != host_of[me]]                      # own tokens to other hosts
     from_remote = dest[:, (host_of[token_rank] != host_of[me]), me]               # tokens of other hosts kept here
-    want_normal = int(remote_dest.sum()) * (2 * H + 8 * K + 4) + int(from_remote.sum()) * (2 * H + 4 * K)
-    assert normal_bytes == want_normal, (normal_bytes, want_normal)
-    result("normal_remote_bytes", bytes=normal_bytes, dispatch_copies=int(remote_dest.sum()),
+    forwarded = 2 <= a.nvl <= 8 and R % a.nvl == 0 and R // a.nvl >= 2
+    if forwarded:
+        hosts = R // a.nvl
+        to_host = np.stack([dest[:, mine][..., host_of == h].any(-1) for h in range(hosts) if h != host_of[me]], -1)
+        copies = int(to_host.sum())
+        want_normal = copies * (2 * H + 4 * (1 + 8 + 2 * K)) + int(from_remote.sum()) * (2 * H + 4 * K)
+    else:
+        copies = int(remote_dest.sum())
+        want_normal = copies * (2 * H + 8 * K + 4) + int(from_remote.sum()) * (2 * H + 4 * K)
+    assert normal_bytes == want_normal, (normal_bytes, want_normal, forwarded)
+    result("normal_remote_bytes", bytes=normal_bytes, dispatch_copies=copies, per_host=forwarded,
            combine_rows=int(from_remote.sum()))
 again = host(program(cfgs["cuda"]))
 np.testing.assert_array_equal(again["count"], got["count"])
