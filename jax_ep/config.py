@@ -197,9 +197,20 @@ class EPConfig:
         """Whether normal-mode ops (dispatch, cached dispatch, combine) of a group of `num_ranks` run the NVSHMEM
         kernels (docs/INTERNODE.md): when the group spans more than one NVLink domain (num_ranks > num_max_nvl_peers).
         Then ranks r and q with r // num_max_nvl_peers == q // num_max_nvl_peers keep the NVLink stores, every other
-        pair moves rows with NVSHMEM puts and signal ops (one copy per token and destination rank: no forwarding
-        through a node's NVLink peers yet). Needs one process per GPU."""
+        pair moves rows with NVSHMEM puts and signal ops (see normal_dispatch_forwarded for how many copies of a
+        token cross between domains). Needs one process per GPU."""
         return num_ranks > self.num_max_nvl_peers
+
+    def normal_dispatch_forwarded(self, num_ranks: int) -> bool:
+        """Whether normal-mode dispatch (and cached dispatch) of a group of `num_ranks` is hierarchical, as DeepEP's
+        internode kernels: a token crosses to each destination node (num_max_nvl_peers ranks) once, to the rank of
+        that node with its own local index, which forwards it over NVLink to the node's destination ranks. Holds for
+        groups over NVSHMEM (normal_over_nvshmem) with nodes of 2 to 8 ranks that divide num_ranks; with nodes of one
+        rank a destination rank is a destination node, and otherwise every (token, destination rank) pair crosses.
+        The kernels also need every rank of a node mapped (one host); combine sends one row per (token, rank) either
+        way (docs/INTERNODE.md)."""
+        nvl = self.num_max_nvl_peers
+        return self.normal_over_nvshmem(num_ranks) and 2 <= nvl <= MAX_NVL_PEERS and num_ranks % nvl == 0
 
     def low_latency_nvl_domain(self) -> int:
         """Ranks per NVLink domain as the NVSHMEM low-latency kernels use it: ranks r and q with r // d == q // d

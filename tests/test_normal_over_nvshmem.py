@@ -107,3 +107,25 @@ def test_size_hints_add_the_send_area_exactly_when_the_normal_ops_run_over_nvshm
         assert hint.normal_bytes == want and jax_ep.rdma_size_hint(c, num_ranks) == want
         plain = m.normal_buffer_bytes(H, K, T, num_ranks, c.capacity(num_ranks), E, False)
         assert (want > plain) is over
+
+
+@pytest.mark.skipif(not _native.available(), reason="the forwarding areas come from the native layout, not built here")
+def test_forwarded_dispatch_exactly_where_the_native_layout_has_forwarding_areas():
+    """EPConfig.normal_dispatch_forwarded (Python) and the native layout's forward_nodes (C++, which the handlers also
+    use to pick the hierarchical kernels) agree for every split: the buffer grows by the forwarding areas exactly
+    when the config says its dispatch is forwarded."""
+    m = _native.module()
+    seen = set()
+    for num_ranks in (2, 4, 6, 8, 12, 16, 32):
+        for nvl in (1, 2, 3, 4, 8, 16):
+            c = jax_ep.EPConfig(96, H, K, T, num_max_nvl_peers=nvl, low_latency_buffers=False)
+            over = c.normal_over_nvshmem(num_ranks)
+            if not over:
+                assert not c.normal_dispatch_forwarded(num_ranks)
+                continue
+            args = (H, K, T, num_ranks, c.capacity(num_ranks), c.num_experts, True)
+            grows = m.normal_buffer_bytes(*args, nvl) > m.normal_buffer_bytes(*args, 0)
+            assert grows == c.normal_dispatch_forwarded(num_ranks), (num_ranks, nvl)
+            assert jax_ep.buffer_size_hint(c, num_ranks).normal_bytes == m.normal_buffer_bytes(*args, nvl)
+            seen.add(grows)
+    assert seen == {True, False}  # both kinds of split were checked
