@@ -80,3 +80,22 @@ def test_unmapped_ranks_inside_an_nvlink_domain_are_an_initialize_error():
         check_unmapped("ep", 0, [4, 5, 6, 7], 0)       # 2 hosts of 4 with the default num_max_nvl_peers=8
     with pytest.raises(jax_ep.EPError, match=r"ranks \[2, 3\].*rank 0's NVLink domain.*num_max_nvl_peers=4"):
         check_unmapped("ep", 0, [2, 3, 4, 5, 6, 7], 4)  # hosts of 2 GPUs, num_max_nvl_peers=4
+
+
+def test_unmapped_ranks_inside_a_forwarding_node_are_an_initialize_error():
+    """Forwarded normal-mode dispatch (EPConfig.normal_dispatch_forwarded) stores into every rank of the forwarder's
+    node, so each rank checks its own node at initialize: unmapped ranks outside it are fine, inside it an EPError
+    naming them (e.g. hosts of 6 GPUs with num_max_nvl_peers=4: the node of ranks 4-7 spans two hosts)."""
+    from jax_ep.runtime.nvshmem import check_unmapped
+
+    check_unmapped("ep", 1, [4, 5, 6, 7], None, 4)     # 2 hosts of 4, nodes of 4: the other node is unmapped
+    check_unmapped("ep", 6, [0, 1, 2, 3], None, 4)
+    check_unmapped("ep", 0, [6, 7, 8, 9, 10, 11], None, 4)  # rank 0 of a host of 6: its own node (0-3) is mapped
+    with pytest.raises(jax_ep.EPError, match=r"ranks \[6, 7\].*'ep'.*rank 4's node of num_max_nvl_peers=4.*forwards"):
+        check_unmapped("ep", 4, [6, 7, 8, 9, 10, 11], None, 4)  # rank 4 of the first host: 6 and 7 are elsewhere
+    with pytest.raises(jax_ep.EPError, match=r"ranks \[4, 5\].*rank 7's node"):
+        check_unmapped("ep", 7, [0, 1, 2, 3, 4, 5], None, 4)
+    # the low-latency check still applies on the same call
+    with pytest.raises(jax_ep.EPError, match="NVLink kernels"):
+        check_unmapped("ep", 0, [6, 7, 8, 9, 10, 11], 0, 4)
+

@@ -12,9 +12,10 @@
 
 namespace jax_ep {
 
-// jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3 (v3: the rdma and nvl_domain attributes of normal
-// mode over NVSHMEM; a program serialized against v2 fails to load with an unknown target rather than a missing
-// attribute).
+// jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3. v3 (2026-11-25): the normal region's layout
+// gained the forwarding areas of hierarchical dispatch and the ops its protocol; and v2 had been lowered both with
+// and without the rdma / nvl_domain attributes. A program serialized against v2 fails to load with an unknown
+// target rather than a missing attribute or a mismatched layout.
 struct NormalAttrs {
   std::string_view axis;        // str: the EP mesh axis (bind_axis)
   int32_t num_experts;          // E

@@ -156,12 +156,16 @@ class NvshmemTransport:
         ll_domains = {c.axis_name: (c.low_latency_nvl_domain()
                                     if c.low_latency_over_nvshmem(len(pes_by_axis[c.axis_name][0])) else 0)
                       for c in cuda_configs if c.uses_low_latency_buffers()}
+        # per axis whose normal-mode dispatch forwards inside nodes (EPConfig.normal_dispatch_forwarded): the node
+        # size; every rank of a node must be mapped (check_unmapped)
+        forward_domains = {c.axis_name: c.num_max_nvl_peers for c in cuda_configs
+                           if c.normal_dispatch_forwarded(len(pes_by_axis[c.axis_name][0]))}
         return setup(generation=generation, plan=plan, groups=pes_by_axis, axes=axes, buffer_bytes=buffer_bytes,
                      device_ordinal=ordinal, process_id=jax.process_index(), num_processes=jax.process_count(),
                      timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
                      needs_device_library=any(ll_domains.values()) or any(
                          c.normal_over_nvshmem(len(pes_by_axis[c.axis_name][0])) for c in cuda_configs),
-                     ll_domains=ll_domains)
+                     ll_domains=ll_domains, forward_domains=forward_domains)
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -215,12 +219,14 @@ def prepare(required_heap_bytes: int) -> dict:
 
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
           process_id: int, num_processes: int, timeout_s: float, timings: dict,
-          needs_device_library: bool = False, ll_domains: dict | None = None) -> NvshmemTransport:
+          needs_device_library: bool = False, ll_domains: dict | None = None,
+          forward_domains: dict | None = None) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
     axes: the mesh axes with CUDA configs, in the order buffers are allocated; ll_domains: axis -> NVLink domain of
-    its low-latency kernels (check_unmapped).
+    its low-latency kernels, forward_domains: axis -> node size of its forwarded normal-mode dispatch
+    (check_unmapped).
     """
     m = module()
     t = time.perf_counter()
@@ -288,7 +294,8 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             peers = [m.ptr(buffers[axis], pe) if _same_simulated_host(pes.index(process_id), r) else 0
                      for r, pe in enumerate(pes)]
             unmapped[axis] = [r for r, p in enumerate(peers) if not p]
-            check_unmapped(axis, pes.index(process_id), unmapped[axis], (ll_domains or {}).get(axis))
+            check_unmapped(axis, pes.index(process_id), unmapped[axis], (ll_domains or {}).get(axis),
+                           (forward_domains or {}).get(axis))
             if unmapped[axis]:
                 # another host: the NVSHMEM kernels of both modes reach it by puts; the pointer kernels refuse (the
                 # handlers name the ranks); initialize says so once here
@@ -321,15 +328,28 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                      device_check=device, unmapped=unmapped)
 
 
-def check_unmapped(axis: str, rank: int, unmapped: list, ll_domain: int | None) -> None:
-    """EPError when the low-latency kernels of `axis` would need a pointer NVSHMEM cannot give: ll_domain 0 (the
-    NVLink kernels: every rank of the group) or a rank of `rank`'s NVLink domain (ranks q with q // ll_domain ==
-    rank // ll_domain are reached by stores). None: the axis has no low-latency buffers (normal-mode ops on such a
-    group run the NVSHMEM kernels when R > num_max_nvl_peers, and are refused when they run, naming the ranks,
-    otherwise)."""
-    if not unmapped or ll_domain is None:
+def check_unmapped(axis: str, rank: int, unmapped: list, ll_domain: int | None,
+                   forward_domain: int | None = None) -> None:
+    """EPError when the kernels of `axis` would need a pointer NVSHMEM cannot give.
+
+    ll_domain (low-latency kernels): 0 (the NVLink kernels: every rank of the group) or the NVLink domain size
+    (ranks q with q // ll_domain == rank // ll_domain are reached by stores); None: the axis has no low-latency
+    buffers (normal-mode ops on such a group run the NVSHMEM kernels when R > num_max_nvl_peers, and are refused
+    when they run, naming the ranks, otherwise). forward_domain: the node size of a forwarded normal-mode dispatch
+    (EPConfig.normal_dispatch_forwarded), whose forwarders store into every rank of their node: all of them must be
+    mapped, or the group's ranks would disagree on the protocol."""
+    if not unmapped:
         return
     fix = "set EPConfig.num_max_nvl_peers to the GPUs per host (the ranks NVSHMEM maps to each other)"
+    if forward_domain:
+        inside = [q for q in unmapped if q // forward_domain == rank // forward_domain]
+        if inside:
+            raise EPError(f"jax_ep.initialize: ranks {inside} of the EP group on axis {axis!r} are in rank {rank}'s "
+                          f"node of num_max_nvl_peers={forward_domain} ranks, through which normal-mode dispatch "
+                          f"forwards tokens by stores, but NVSHMEM gives no load/store mapping to them (other "
+                          f"hosts?): {fix}")
+    if ll_domain is None:
+        return
     if ll_domain == 0:
         raise EPError(f"jax_ep.initialize: ranks {unmapped} of the EP group on axis {axis!r} have no load/store "
                       f"mapping from rank {rank} (other hosts), but its low-latency configs would run the NVLink "

@@ -34,8 +34,12 @@
 // combine, one row per (received row, remote source): its reduction inside the node first (DeepEP) would change
 // the order of the sum, which is bit-identical across splits today (docs/INTERNODE.md).
 // NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
-// its previous op's wait kernel, which saw every peer's pieces complete; so no put of op n is in flight, and no
+// its previous op's wait kernel, which saw every peer's pieces complete (forwarded dispatch: its forwarders' waits
+// saw the remote pieces, and its final wait their flags, raised after); so no put of op n is in flight, and no
 // counted word is non-zero, when op n + 1 writes the send area or sends.
+// NOTE (cost): the tag clearing runs in every barrier of a forwarding group (nodes x T_max scattered stores before
+// the rank arrives; in the one-warp barrier kernel of cached dispatch and combine too), and the forwarding areas
+// hold a slot for the rank's own node that is never used; both are to trim once the path can be timed.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -336,6 +340,10 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const __gr
 // over NVLink: the row into payload, the destination's meta record (its local ids and weights, source index,
 // scales) into remote_meta, as the flat kernels' puts would have. The last block then flags this node's ranks.
 // One warp per (source node, token); the direct rows of this rank's own send kernel are in place (stream order).
+// NOTE: the slots walked are [0, a.num_tokens) of each source node: every shard of a shard_map call has the same T
+// (static shapes), so a source's tokens are this rank's count. The forwarding area is read through the
+// non-coherent path (fan_out_row's ld_nc_v4): valid because every put of the op has landed before this kernel
+// starts (the kWaitForwarders kernel before it); forwarding while the RDMA leg is in flight would need ld_cg.
 __global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid_constant__ SendArgs a) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
