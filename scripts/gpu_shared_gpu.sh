@@ -28,7 +28,10 @@ timeout --kill-after=10 ${SHARED_LIMIT:-500} python3 -m pytest -p no:cacheprovid
 echo "shared rc=$? $((SECONDS - t0))s: $(grep -E 'passed|failed' "$OUT/shared.log" | tail -1)" | tee -a "$S"
 grep -E "^\\$|RESULT (normal|low_latency|done) |FAILED|Error" "$OUT/shared.log" | cut -c1-300 | head -60 | tee -a "$S"
 # SHARED_SAN="memcheck racecheck": compute-sanitizer on the normal-mode program at R=4 (2 processes per GPU), nodes of
-# 2 (hierarchical dispatch: the forward kernel), while the daemon runs
+# 2 (hierarchical dispatch: the forward kernel), while the daemon runs. NOTE (2x H100, 2026-11-25): it does not work:
+# the sanitized processes never met at the first barrier (60 s timeout; two sanitized MPS clients of one GPU do not
+# run concurrently). Kept for a retry with a newer sanitizer; on a 4-GPU kind run the same program without MPS:
+# JAX_EP_SANITIZE_NVL=2 compute-sanitizer ... python3 -m jax_ep.launch -n 4 tests/gpu/sanitize_normal_small.py
 for tool in ${SHARED_SAN:-}; do
   t0=$SECONDS
   timeout --kill-after=10 150 env JAX_EP_TRANSPORT=nvshmem JAX_EP_SANITIZE_NVL=2 compute-sanitizer --tool "$tool" \
