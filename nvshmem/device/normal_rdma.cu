@@ -30,9 +30,13 @@
 //               NVLink into the staging rows of its node's destinations (the rows the flat kernels would have put),
 //               and flags its node's ranks: a rank's receive waits for its node's ranks only.
 //               Record tags are cleared at every barrier, before this rank arrives: a non-zero tag was put this op.
-// Traffic: dispatch, one copy per (token, destination node) with forwarding, else per (token, destination rank);
-// combine, one row per (received row, remote source): its reduction inside the node first (DeepEP) would change
-// the order of the sum, which is bit-identical across splits today (docs/INTERNODE.md).
+//   node-first  combine of a forwarding group: a row for a source on another node goes by NVLink stores into the
+//               node's forwarder of the source's local index (payload slot [source node * P + my local][t]) with my
+//               bit OR-ed into its contributor mask (the tag word of record [source node][t]); the forwarder sums
+//               the contributed rows in f32 and puts one partial row (and weights at record offset 4) per (token,
+//               node) into the source's forwarding area [its node][t]; the source adds each node's partial once.
+// Traffic: with forwarding, one copy per (token, destination node) each way (combine: an f32 partial); otherwise
+// one copy per (token, destination rank) (docs/INTERNODE.md).
 // NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
 // its previous op's wait kernel, which saw every peer's pieces complete (forwarded dispatch: its forwarders' waits
 // saw the remote pieces, and its final wait their flags, raised after); so no put of op n is in flight, and no
@@ -401,7 +405,8 @@ __global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid
 }
 
 // Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
-// the send area (indexed by the received row) and put with its weights into the source's slot [me][token].
+// the send area (indexed by the received row) and put with its weights into the source's slot [me][token], or, in
+// a forwarding group, stored into the node's forwarder for that source (node-first, above).
 __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
@@ -518,8 +523,10 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
 // Which announcements a wait kernel waits for.
 enum WaitFor : int {
   kWaitAll = 0,         // flat kernels: every remote rank's completion word, every direct rank's data flag
-  kWaitForwarders = 1,  // hierarchical dispatch, before forwarding: the remote ranks of this rank's local index
-  kWaitNode = 2,        // hierarchical dispatch, after forwarding: the data flags of this node's ranks
+  kWaitForwarders = 1,  // forwarding groups: the remote ranks of this rank's local index (dispatch: before forwarding;
+                        // combine: their node partials, last)
+  kWaitNode = 2,        // forwarding groups: the data flags of this node's ranks (dispatch: last; combine: before
+                        // the forwarder's sums)
 };
 
 // Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until the rows of the ranks `which` names
