@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
       if (nvl > 0 && r / nvl != me / nvl) {
         const int node = r / nvl;
         m &= ~(((1u << nvl) - 1u) << (node * nvl)) | (1u << r);  // the loop's step clears r itself
-        const float* part = reinterpret_cast<const float*>(self + B.fwd_rows + (node * B.fwd_slots + t) *
+        const float* part = reinterpret_cast<const float*>(self + B.fwd_rows + forward_slot(B, node, me / nvl, t) *
                                                            B.payload_stride);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
         if (nvl > 0 && r / nvl != me / nvl) {
           const int node = r / nvl;
           if (kept_mask & ((1u << r) - 1u) & (((1u << nvl) - 1u) << (node * nvl))) continue;  // not its first rank
-          wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + (node * B.fwd_slots + t) * B.fwd_stride +
-                                                        4) + lane);
+          wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + forward_slot(B, node, me / nvl, t) *
+                                                        B.fwd_stride + 4) + lane);
         } else if (r == me)
           wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
         else

@@ -117,7 +117,7 @@ __device__ uint32_t rdma_barrier_block(const GroupCtx& g, const char* what) {
     // Forward record tags to 0 before any source can put this op's records (after this barrier); the fence below
     // orders the clears before this rank's arrivals.
     const BufferLayout& B = g.layout;
-    for (int64_t i = tid; i < B.fwd_nodes * B.fwd_slots; i += blockDim.x)
+    for (int64_t i = tid; i < (B.fwd_nodes - 1) * B.fwd_slots; i += blockDim.x)
       *reinterpret_cast<uint32_t*>(self + B.fwd_meta + i * B.fwd_stride) = 0u;
     __threadfence_system();
   }
@@ -252,7 +252,8 @@ __device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const ch
     if (n == my_node) continue;
     const int32_t row = lane < nvl ? token_row(a, t, n * nvl + lane) : -1;
     if (__ballot_sync(0xffffffffu, row >= 0) == 0u) continue;  // no destination in node n
-    char* rec = self + B.send_fwd_meta + (static_cast<int64_t>(t) * nodes + n) * B.fwd_stride;
+    char* rec = self + B.send_fwd_meta + (static_cast<int64_t>(t) * (nodes - 1) + n - (n > my_node ? 1 : 0)) *
+                                             B.fwd_stride;
     if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = 1u;
     if (lane < kMaxNvlPeers) reinterpret_cast<int32_t*>(rec + 4)[lane] = row;
     if (lane < K) {
@@ -266,7 +267,7 @@ __device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const ch
     __threadfence();  // the record is in memory before the put reads it
     __syncwarp();
     const int pe = pe_of(g, n * nvl + g.rank % nvl);
-    const int64_t slot = static_cast<int64_t>(my_node) * B.fwd_slots + t;
+    const int64_t slot = forward_slot(B, my_node, n, t);  // at the forwarder, of node n
     put_plain(self + B.fwd_rows + slot * a.row_bytes, s_row, a.row_bytes, pe);
     put_plain(self + B.fwd_meta + slot * B.fwd_stride, rec, rec_bytes, pe);
   }
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid
   for (int64_t item = global_warp(); item < total; item += num_global_warps()) {
     const int n = static_cast<int>(item % nodes), t = static_cast<int>(item / nodes);
     if (n == my_node) continue;
-    const int64_t slot = static_cast<int64_t>(n) * B.fwd_slots + t;
+    const int64_t slot = forward_slot(B, n, my_node, t);
     const char* rec = self + B.fwd_meta + slot * B.fwd_stride;
     if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) == 0u) continue;  // no destination in this node
     int32_t rows[kMaxNvlPeers];
@@ -438,7 +439,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
                         row);
       if (lane == 0)
         atomicOr_system(reinterpret_cast<unsigned int*>(peer_base(g, f) + B.fwd_meta +
-                                                        (node * B.fwd_slots + t) * B.fwd_stride),
+                                                        forward_slot(B, node, me / nvl, t) * B.fwd_stride),
                         1u << (me % nvl));
       continue;
     }
@@ -479,7 +480,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
   for (int64_t item = global_warp(); item < total; item += num_global_warps()) {
     const int n = static_cast<int>(item % nodes), t = static_cast<int>(item / nodes);
     if (n == my_node) continue;
-    const int64_t fslot = static_cast<int64_t>(n) * B.fwd_slots + t;
+    const int64_t fslot = forward_slot(B, n, my_node, t);
     const uint32_t mask = __ldcg(reinterpret_cast<const uint32_t*>(self + B.fwd_meta + fslot * B.fwd_stride));
     if (mask == 0u) continue;  // no rank of this node kept token t of source (n, my local index)
     float* part = reinterpret_cast<float*>(self + B.send_rows + fslot * B.payload_stride);
@@ -510,7 +511,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
     __threadfence();  // the staged partials are in memory before the puts read them
     __syncwarp();
     const int pe = pe_of(g, n * nvl + g.rank % nvl);
-    const int64_t dslot = static_cast<int64_t>(my_node) * B.fwd_slots + t;
+    const int64_t dslot = forward_slot(B, my_node, n, t);  // at the source, of node n
     put_plain(self + B.fwd_rows + dslot * B.payload_stride, reinterpret_cast<const char*>(part), n16 * 16 / sizeof(Elem) * 4,
               pe);
     if (Kw > 0) put_plain(self + B.fwd_meta + dslot * B.fwd_stride + 4, reinterpret_cast<const char*>(s_w), 4 * Kw, pe);
