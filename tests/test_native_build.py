@@ -116,21 +116,23 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
 
 
 def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
-    # Hierarchical dispatch (rdma, nodes of nvl_domain = 2..8 ranks, >= 2 nodes): slots = nodes * T_max, each area
-    # aligned to 256. R=4, nvl 2 -> 2 nodes, 8 slots; records of align16(4 * (1 + 8 + 2K + ceil(H/128)) = 56) = 64:
-    #   fwd_rows align256(8 * 512) = 4096; fwd_meta align256(8 * 64) = 512; send_fwd_meta 512
+    # Hierarchical dispatch (rdma, nodes of nvl_domain = 2..8 ranks, >= 2 nodes): slots = (nodes - 1) * T_max (the
+    # other nodes only), each area aligned to 256. R=4, nvl 2 -> 2 nodes, 4 slots; records of
+    # align16(4 * (1 + 8 + 2K + ceil(H/128)) = 56) = 64:
+    #   fwd_rows align256(4 * 512) = 2048; fwd_meta align256(4 * 64) = 256; send_fwd_meta 256
     four = {**SMALL_NORMAL, "num_ranks": 4}
     flat = native.normal_buffer_bytes(**four, rdma=True)
-    assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=2) == flat + 4096 + 512 + 512
+    assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=2) == flat + 2048 + 256 + 256
     # no forwarding: nodes of 1 (flat puts), one node, a node size that does not divide R, no rdma
     for nvl in (0, 1, 3, 4):
         assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=nvl) == flat
     assert native.normal_buffer_bytes(**four, rdma=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
-    # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 16 slots
+    # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 12 slots (768 bytes of
+    # records per area)
     wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
     wide_flat = native.normal_buffer_bytes(**wide, rdma=True)
     assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=16) == wide_flat
-    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=8) == wide_flat + 16 * 512 + 2 * 1024
+    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768
     with pytest.raises(ValueError, match="nvl_domain"):
         native.normal_buffer_bytes(**four, rdma=True, nvl_domain=-1)
 

@@ -116,11 +116,23 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
     for (int q = 0; q < R; ++q)
       if (rg.view.peers.base[q] == nullptr) out->normal_remote |= 1u << q;
     out->normal_remote &= ~(1u << rg.view.rank);  // this rank's own rows always move by stores
-    // Hierarchical dispatch needs every rank of this rank's node mapped (the forwarder stores into them); a node
-    // with an unmapped member keeps the flat kernels (the forwarding areas of the layout stay unused).
+    // Forwarding (hierarchical dispatch, node-first combine) needs every rank of this rank's node mapped (the
+    // forwarder stores into them). No fallback to the flat kernels: the other nodes would still forward, and the
+    // ranks would wait for announcements that never come (initialize checks it first: check_unmapped).
     out->normal_forward_nvl = 0;
-    if (forward_nodes(R, c.nvl_domain) > 0 && out->normal_remote == ll::remote_ranks(rg.view.rank, R, c.nvl_domain))
+    if (forward_nodes(R, c.nvl_domain) > 0) {
+      const uint32_t unmapped = out->normal_remote & ~ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+      if (unmapped != 0u) {
+        std::string ranks;
+        for (int q = 0; q < R; ++q)
+          if ((unmapped >> q) & 1u) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+        return ffi_util::Precondition(target_, "ranks [" + ranks + "] of this rank's node (num_max_nvl_peers=" +
+                                                   std::to_string(c.nvl_domain) + ") on mesh axis '" + axis_ +
+                                                   "' have no load/store mapping, but normal mode forwards through "
+                                                   "the node by stores: set num_max_nvl_peers to the GPUs per host");
+      }
       out->normal_forward_nvl = c.nvl_domain;
+    }
     if (rg.view.peers.base[rg.view.rank] == nullptr)
       return ffi_util::Precondition(target_, "this rank has no staging buffer in the group of mesh axis '" + axis_ + "'");
     return ffi::Error::Success();

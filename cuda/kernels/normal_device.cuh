@@ -5,6 +5,8 @@
 // combine row. Both kernel sets fill the same staging layout, so the receive side (copy-out, reduce) is one.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "common/copy.cuh"
@@ -188,6 +190,55 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int by
     }
   }
 }
+
+// acc[0..kN) += partial[0..kN) with 16-byte loads (partial 16-byte aligned; L2, it was written by a put).
+template <int kN>
+__device__ __forceinline__ void add_f32_vectors(float* acc, const float* partial) {
+#pragma unroll
+  for (int q = 0; q < kN / 4; ++q) {
+    const int4 x = ld_cg_v4(reinterpret_cast<const int4*>(partial) + q);
+    const float* f = reinterpret_cast<const float*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[4 * q + i] += f[i];
+  }
+}
+
+// Combine values of one 16-byte vector (kN elements of Elem: bf16 or f32) added into f32 accumulators, and packed
+// back; add_f32 adds the f32 partial sums of the same kN elements (hierarchical combine: a node's partial row).
+template <typename Elem>
+struct Pack;
+template <>
+struct Pack<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void add(float* acc, const int4& v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) { return pack_bf16x8(acc); }
+  __device__ static void add_f32(float* acc, const float* partial) { add_f32_vectors<kN>(acc, partial); }
+};
+template <>
+struct Pack<float> {
+  static constexpr int kN = 4;
+  __device__ static void add(float* acc, const int4& v) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    float* f = reinterpret_cast<float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = acc[i];
+    return v;
+  }
+  __device__ static void add_f32(float* acc, const float* partial) { add_f32_vectors<kN>(acc, partial); }
+};
 
 // Combine, every thread of a block: the rows [s_begin[s], s_end[s]) of staging that came from rank s (the handle's
 // recv_rank_counts, cut by the capacity) and s_span = the most rows of any other rank. Shared-memory outputs.

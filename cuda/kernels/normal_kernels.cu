@@ -206,39 +206,6 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
 // Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t],
 // accumulated in f32. The local rank's term is read from `values` directly (the row step 1 used to copy into slot
 // [me][t]: same values, same summation order, so the result is unchanged) - one hop less for 1/R of the rows.
-template <typename Elem>
-struct Pack;
-template <>
-struct Pack<__nv_bfloat16> {
-  static constexpr int kN = 8;
-  __device__ static void add(float* acc, const int4& v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] += f.x;
-      acc[2 * i + 1] += f.y;
-    }
-  }
-  __device__ static int4 pack(const float* acc) { return pack_bf16x8(acc); }
-};
-template <>
-struct Pack<float> {
-  static constexpr int kN = 4;
-  __device__ static void add(float* acc, const int4& v) {
-    const float* f = reinterpret_cast<const float*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += f[i];
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    float* f = reinterpret_cast<float*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = acc[i];
-    return v;
-  }
-};
-
 // Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), spread over every warp of
 // the grid, so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
 // rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
@@ -251,7 +218,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
   constexpr int kU = kReduceVecs / 32;  // vectors per lane per item
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, me = g.rank, lane = lane_id();
+  const int R = g.num_ranks, me = g.rank, lane = lane_id(), nvl = g.forward_nvl;
   const char* self = self_base(g);
   const char* values = static_cast<const char*>(p.values);
   const int n16 = p.row_bytes / 16;
@@ -279,9 +246,21 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 #pragma unroll
       for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
     }
-    // the ranks that kept the token, in ascending order (the summation order the results are defined by)
+    // the ranks that kept the token, in ascending order (the summation order the results are defined by); with
+    // node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the f32 partial its forwarder put
+    // into fwd_rows [node][t], at the place of the node's first rank
     for (uint32_t m = kept_mask; m != 0u; m &= m - 1u) {
       const int r = __ffs(m) - 1;
+      if (nvl > 0 && r / nvl != me / nvl) {
+        const int node = r / nvl;
+        m &= ~(((1u << nvl) - 1u) << (node * nvl)) | (1u << r);  // the loop's step clears r itself
+        const float* part = reinterpret_cast<const float*>(self + B.fwd_rows + forward_slot(B, node, me / nvl, t) *
+                                                           B.payload_stride);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) P::add_f32(acc[u], part + static_cast<int64_t>(base + 32 * u) * P::kN);
+        continue;
+      }
       int4 v[kU];
       if (r == me) {
         // `values` is this op's read-only input: nothing writes it while the kernel runs.
@@ -307,7 +286,12 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
       const float* w = reinterpret_cast<const float*>(self + B.topk_weights);
       for (int r = 0; r < R; ++r) {
         if (!((kept_mask >> r) & 1u)) continue;
-        if (r == me)
+        if (nvl > 0 && r / nvl != me / nvl) {
+          const int node = r / nvl;
+          if (kept_mask & ((1u << r) - 1u) & (((1u << nvl) - 1u) << (node * nvl))) continue;  // not its first rank
+          wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + forward_slot(B, node, me / nvl, t) *
+                                                        B.fwd_stride + 4) + lane);
+        } else if (r == me)
           wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
         else
           wacc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
@@ -454,8 +438,7 @@ Status launch_combine(const CombineParams& p, cudaStream_t stream) {
   JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
   JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
   if (ops != nullptr) {
-    JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send(p, clamp_blocks(p.num_sms), stream)));
-    JAX_EP_RETURN_IF_ERROR(from_message(ops->wait_data(p.g, stream)));
+    JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send_and_receive(p, clamp_blocks(p.num_sms), stream)));
   } else {
     combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());

@@ -138,10 +138,23 @@ __device__ __forceinline__ void wait_consumed_rdma(const Ctx& c, int d, uint32_t
   __threadfence_system();  // acquire: d's reset of its half comes before anything this rank writes there next
 }
 
-// A dispatch message (header + payload) travels as this many counted messages of at most kSegBytes each.
-__host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int hidden) {
+// A dispatch message (header + payload) travels as this many counted messages of at most part_bytes each.
+__host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int hidden, int part_bytes) {
   const int payload_bytes = use_fp8 ? hidden + 4 * (hidden / static_cast<int>(kFp8Block)) : 2 * hidden;
-  return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + kSegBytes - 1) / kSegBytes;
+  return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + part_bytes - 1) / part_bytes;
+}
+
+// Bytes per counted dispatch message (experiment, branch next/ll-put-parts): JAX_EP_LL_PUT_BYTES, a multiple of
+// kSegBytes from kSegBytes (the default: 2 KB, 8 counted messages per bf16 row at H=7168) to 64 KB (one message).
+// Every rank of a group must use the same value (the receivers divide their counts by the parts): the launcher
+// passes the environment to every process. Read once per process, for the send and the receive kernels alike.
+int put_part_bytes() {
+  static const int value = [] {
+    const char* v = std::getenv("JAX_EP_LL_PUT_BYTES");
+    const int n = v != nullptr ? std::atoi(v) : 0;
+    return n >= kSegBytes && n <= 65536 && n % kSegBytes == 0 ? n : kSegBytes;
+  }();
+  return value;
 }
 
 // The receivers' Wait policy (ll_recv.cuh): counted signals instead of epoch flags. parts: counted messages per
@@ -191,9 +204,10 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
 }
 
 // ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
-// its distinct experts' owners in 2 KB parts (one counted message each, spread over the block's warps). Counts per
+// its distinct experts' owners in parts of put_part_bytes (2 KB by default; one counted message each, spread over
+// the block's warps). Counts per
 // expert in this rank's scratch; the last block announces them all (rows x parts). -----------------------------
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch) {
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, int part_bytes) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
@@ -215,7 +229,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
   const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
-  const int parts = dispatch_message_parts(p.use_fp8, H);
+  const int parts = dispatch_message_parts(p.use_fp8, H, part_bytes);
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     token_slots(p.topk_idx, t, K, E, 1, s_dest, s_pos, s_part);
     if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
@@ -235,19 +249,20 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
     __threadfence();
     __syncthreads();  // the whole message is in the slot before any warp puts it
     for (int item = warp; item < K * parts; item += nw) {
-      const int k = item / parts, off = (item % parts) * kSegBytes;
+      const int k = item / parts, off = (item % parts) * part_bytes;
       const int dest = s_dest[k];
       if (dest < 0) continue;
       const int l = dest % L, d = dest / L;
       char* dst = self + half + c.ll.rows + (static_cast<int64_t>(l * R + me) * Tm + s_pos[k]) * c.ll.msg_stride;
-      send_counted(dst + off, slot + off, min(kSegBytes, msg_bytes - off), signals + l * R + me, g.pe[d],
+      send_counted(dst + off, slot + off, min(part_bytes, msg_bytes - off), signals + l * R + me, g.pe[d],
                    s_direct[d]);
     }
     __syncthreads();  // s_dest / s_pos are reused by the next token
   }
 }
 
-__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const __grid_constant__ DispatchSendParams p) {
+__global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const __grid_constant__ DispatchSendParams p,
+                                                                           int part_bytes) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
@@ -256,13 +271,13 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
               p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
               consumed_words(c));
   __syncthreads();
-  if (s_gate.work) dispatch_send_body(p, s_gate.epoch);  // block-uniform
+  if (s_gate.work) dispatch_send_body(p, s_gate.epoch, part_bytes);  // block-uniform
   if (!last_block_all(ll_word(c.g, SignalHeader::kLlSendDone), &s_last)) return;
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.ll.scratch);
     uint64_t* signals = signal_words(c, s_gate.epoch);
     const int R = c.g.num_ranks, L = c.num_local;
-    const uint32_t parts = static_cast<uint32_t>(dispatch_message_parts(p.use_fp8, c.hidden));
+    const uint32_t parts = static_cast<uint32_t>(dispatch_message_parts(p.use_fp8, c.hidden, part_bytes));
     for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
       const uint32_t n = atomicExch(counts + dest, 0u);
       const int d = dest / L;
@@ -347,8 +362,9 @@ __global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const __gri
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
-  const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden)};
+__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p,
+                                                                       int part_bytes) {
+  const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden, part_bytes)};
   rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
 }
 
@@ -383,13 +399,13 @@ const char* refuse_per_rank(bool per_rank) {
 
 const char* dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(with_test_hook(p));
+  rdma_dispatch_send_kernel<<<send_grid(p), kSendThreads, 0, stream>>>(with_test_hook(p), put_part_bytes());
   return launch_error("low-latency dispatch send (NVSHMEM)");
 }
 
 const char* dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p));
+  rdma_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p), put_part_bytes());
   return launch_error("low-latency dispatch receive (NVSHMEM)");
 }
 

@@ -30,9 +30,13 @@
 //               NVLink into the staging rows of its node's destinations (the rows the flat kernels would have put),
 //               and flags its node's ranks: a rank's receive waits for its node's ranks only.
 //               Record tags are cleared at every barrier, before this rank arrives: a non-zero tag was put this op.
-// Traffic: dispatch, one copy per (token, destination node) with forwarding, else per (token, destination rank);
-// combine, one row per (received row, remote source): its reduction inside the node first (DeepEP) would change
-// the order of the sum, which is bit-identical across splits today (docs/INTERNODE.md).
+//   node-first  combine of a forwarding group: a row for a source on another node goes by NVLink stores into the
+//               node's forwarder of the source's local index (payload slot [source node * P + my local][t]) with my
+//               bit OR-ed into its contributor mask (the tag word of record [source node][t]); the forwarder sums
+//               the contributed rows in f32 and puts one partial row (and weights at record offset 4) per (token,
+//               node) into the source's forwarding area [its node][t]; the source adds each node's partial once.
+// Traffic: with forwarding, one copy per (token, destination node) each way (combine: an f32 partial); otherwise
+// one copy per (token, destination rank) (docs/INTERNODE.md).
 // NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
 // its previous op's wait kernel, which saw every peer's pieces complete (forwarded dispatch: its forwarders' waits
 // saw the remote pieces, and its final wait their flags, raised after); so no put of op n is in flight, and no
@@ -113,7 +117,7 @@ __device__ uint32_t rdma_barrier_block(const GroupCtx& g, const char* what) {
     // Forward record tags to 0 before any source can put this op's records (after this barrier); the fence below
     // orders the clears before this rank's arrivals.
     const BufferLayout& B = g.layout;
-    for (int64_t i = tid; i < B.fwd_nodes * B.fwd_slots; i += blockDim.x)
+    for (int64_t i = tid; i < (B.fwd_nodes - 1) * B.fwd_slots; i += blockDim.x)
       *reinterpret_cast<uint32_t*>(self + B.fwd_meta + i * B.fwd_stride) = 0u;
     __threadfence_system();
   }
@@ -210,18 +214,24 @@ __device__ __forceinline__ bool last_block_done(const GroupCtx& g) {
   return true;
 }
 
-// End of a flat sending kernel: the last block announces completion to every remote rank (a counted word with zero
-// counted messages: complete at once) and flags every direct rank (finish_and_signal_data of the NVLink kernels).
-// forwarded (hierarchical dispatch's send): announces to the forwarders only (the remote ranks of this rank's
-// local index); the direct ranks are flagged by the forward kernel, after the rows it forwards to them.
-__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch, bool forwarded = false) {
+// Who the last block of a sending kernel tells that this rank's rows of the op are complete.
+enum Announce : int {
+  kAnnounceAll = 0,         // flat kernels: every remote rank (completion word) and every direct rank (data flag)
+  kAnnounceForwarders = 1,  // the remote ranks of this rank's local index only (hierarchical: the RDMA leg)
+  kAnnounceNode = 2,        // the direct ranks (this node) only (hierarchical: the NVLink leg)
+};
+
+// End of a sending kernel (every thread of every block): the last block announces completion, to remote ranks with
+// a counted word of zero counted messages (complete at once), to direct ranks with the NVLink data flag
+// (finish_and_signal_data of the NVLink kernels).
+__device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t epoch, Announce to = kAnnounceAll) {
   if (!last_block_done(g)) return;
   for (int d = 0; d < g.num_ranks; ++d) {
     if (is_remote(g, d)) {
-      if (!forwarded || d % g.forward_nvl == g.rank % g.forward_nvl)
+      if (to == kAnnounceAll || (to == kAnnounceForwarders && d % g.forward_nvl == g.rank % g.forward_nvl))
         nvshmemx_signal_op(rdma_word(g, SignalHeader::kRdmaData, g.rank), announce_value(0), NVSHMEM_SIGNAL_ADD,
                            pe_of(g, d));
-    } else if (!forwarded) {
+    } else if (to != kAnnounceForwarders) {
       signal_peer(g, d, SignalHeader::kDataFlag, epoch);
     }
   }
@@ -242,7 +252,8 @@ __device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const ch
     if (n == my_node) continue;
     const int32_t row = lane < nvl ? token_row(a, t, n * nvl + lane) : -1;
     if (__ballot_sync(0xffffffffu, row >= 0) == 0u) continue;  // no destination in node n
-    char* rec = self + B.send_fwd_meta + (static_cast<int64_t>(t) * nodes + n) * B.fwd_stride;
+    char* rec = self + B.send_fwd_meta + (static_cast<int64_t>(t) * (nodes - 1) + n - (n > my_node ? 1 : 0)) *
+                                             B.fwd_stride;
     if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = 1u;
     if (lane < kMaxNvlPeers) reinterpret_cast<int32_t*>(rec + 4)[lane] = row;
     if (lane < K) {
@@ -256,7 +267,7 @@ __device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const ch
     __threadfence();  // the record is in memory before the put reads it
     __syncwarp();
     const int pe = pe_of(g, n * nvl + g.rank % nvl);
-    const int64_t slot = static_cast<int64_t>(my_node) * B.fwd_slots + t;
+    const int64_t slot = forward_slot(B, my_node, n, t);  // at the forwarder, of node n
     put_plain(self + B.fwd_rows + slot * a.row_bytes, s_row, a.row_bytes, pe);
     put_plain(self + B.fwd_meta + slot * B.fwd_stride, rec, rec_bytes, pe);
   }
@@ -332,7 +343,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_send_rows_kernel(const __gr
     }
   }
   if (put_any) nvshmem_quiet();  // this warp's puts (every lane issued part of them) are delivered
-  finish_and_announce(g, epoch, g.forward_nvl > 0);
+  finish_and_announce(g, epoch, g.forward_nvl > 0 ? kAnnounceForwarders : kAnnounceAll);
 }
 
 // Hierarchical dispatch, after the sources of this rank's local index have announced (wait kernel, kWaitForwarders):
@@ -358,7 +369,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid
   for (int64_t item = global_warp(); item < total; item += num_global_warps()) {
     const int n = static_cast<int>(item % nodes), t = static_cast<int>(item / nodes);
     if (n == my_node) continue;
-    const int64_t slot = static_cast<int64_t>(n) * B.fwd_slots + t;
+    const int64_t slot = forward_slot(B, n, my_node, t);
     const char* rec = self + B.fwd_meta + slot * B.fwd_stride;
     if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) == 0u) continue;  // no destination in this node
     int32_t rows[kMaxNvlPeers];
@@ -391,12 +402,12 @@ __global__ void __launch_bounds__(kSendThreads) rdma_forward_kernel(const __grid
       for (int c = lane; c < a.scale_cols; c += 32) out_scales[c] = __ldcg(scales + c);
     }
   }
-  if (!last_block_done(g)) return;
-  for (int j = 0; j < nvl; ++j) signal_peer(g, my_node * nvl + j, SignalHeader::kDataFlag, epoch);
+  finish_and_announce(g, epoch, kAnnounceNode);
 }
 
 // Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
-// the send area (indexed by the received row) and put with its weights into the source's slot [me][token].
+// the send area (indexed by the received row) and put with its weights into the source's slot [me][token], or, in
+// a forwarding group, stored into the node's forwarder for that source (node-first, above).
 __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
@@ -420,6 +431,18 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
       store_combine_row(p, peer_base(g, from), slot, row);
       continue;
     }
+    if (g.forward_nvl > 0) {
+      // Node-first: into the forwarder of `from` (this node's rank with from's local index), slot
+      // [from's node * P + my local index][t], and my bit of its contributor mask for (from's node, t).
+      const int nvl = g.forward_nvl, node = from / nvl, f = (me / nvl) * nvl + from % nvl;
+      store_combine_row(p, peer_base(g, f), static_cast<int64_t>(node * nvl + me % nvl) * p.max_tokens_per_rank + t,
+                        row);
+      if (lane == 0)
+        atomicOr_system(reinterpret_cast<unsigned int*>(peer_base(g, f) + B.fwd_meta +
+                                                        forward_slot(B, node, me / nvl, t) * B.fwd_stride),
+                        1u << (me % nvl));
+      continue;
+    }
     char* s_row = self + B.send_rows + static_cast<int64_t>(row) * p.row_bytes;
     warp_copy_row(reinterpret_cast<int4*>(s_row),
                   reinterpret_cast<const int4*>(static_cast<const char*>(p.values) + static_cast<int64_t>(row) *
@@ -435,14 +458,76 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
     put_any = true;
   }
   if (put_any) nvshmem_quiet();
-  finish_and_announce(g, epoch);
+  finish_and_announce(g, epoch, g.forward_nvl > 0 ? kAnnounceNode : kAnnounceAll);
+}
+
+// Node-first combine, on the forwarder, after its node's ranks have flagged their rows (kWaitNode): for every
+// (source node n, token t) with a contributor mask (the record tag word of slot [n][t], OR-ed in by the node's ranks;
+// cleared at the barrier), the f32 sum of the contributed rows in local-index order, and of their weights, staged in
+// the send area and put into the fwd_rows / fwd_meta slot [this node][t] of the source (n, this local index). One
+// warp per (n, t); the last block announces to the sources of this local index.
+template <typename Elem>
+__global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(const __grid_constant__ CombineParams p) {
+  using Pk = Pack<Elem>;
+  const GroupCtx& g = p.g;
+  const BufferLayout& B = g.layout;
+  const int nvl = g.forward_nvl, nodes = g.num_ranks / nvl, my_node = g.rank / nvl, lane = lane_id();
+  const int Kw = p.num_weights, n16 = p.row_bytes / 16;
+  const uint32_t epoch = current_epoch(g);
+  char* self = self_base(g);
+  bool put_any = false;
+  const int64_t total = static_cast<int64_t>(nodes) * p.num_tokens;
+  for (int64_t item = global_warp(); item < total; item += num_global_warps()) {
+    const int n = static_cast<int>(item % nodes), t = static_cast<int>(item / nodes);
+    if (n == my_node) continue;
+    const int64_t fslot = forward_slot(B, n, my_node, t);
+    const uint32_t mask = __ldcg(reinterpret_cast<const uint32_t*>(self + B.fwd_meta + fslot * B.fwd_stride));
+    if (mask == 0u) continue;  // no rank of this node kept token t of source (n, my local index)
+    float* part = reinterpret_cast<float*>(self + B.send_rows + fslot * B.payload_stride);
+    for (int v = lane; v < n16; v += 32) {
+      float acc[Pk::kN];
+#pragma unroll
+      for (int e = 0; e < Pk::kN; ++e) acc[e] = 0.0f;
+      for (uint32_t m = mask; m != 0u; m &= m - 1u) {
+        const int i = __ffs(m) - 1;
+        const int4* src = reinterpret_cast<const int4*>(
+            self + B.payload + ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * p.row_bytes);
+        Pk::add(acc, ld_cg_v4(src + v));
+      }
+      float4* out = reinterpret_cast<float4*>(part + static_cast<int64_t>(v) * Pk::kN);
+#pragma unroll
+      for (int q = 0; q < Pk::kN / 4; ++q) out[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    }
+    float* s_w = reinterpret_cast<float*>(self + B.send_weights) + fslot * Kw;
+    if (lane < Kw) {
+      float wacc = 0.0f;
+      for (uint32_t m = mask; m != 0u; m &= m - 1u) {
+        const int i = __ffs(m) - 1;
+        wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) +
+                       ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * Kw + lane);
+      }
+      s_w[lane] = wacc;
+    }
+    __threadfence();  // the staged partials are in memory before the puts read them
+    __syncwarp();
+    const int pe = pe_of(g, n * nvl + g.rank % nvl);
+    const int64_t dslot = forward_slot(B, my_node, n, t);  // at the source, of node n
+    put_plain(self + B.fwd_rows + dslot * B.payload_stride, reinterpret_cast<const char*>(part), n16 * 16 / sizeof(Elem) * 4,
+              pe);
+    if (Kw > 0) put_plain(self + B.fwd_meta + dslot * B.fwd_stride + 4, reinterpret_cast<const char*>(s_w), 4 * Kw, pe);
+    put_any = true;
+  }
+  if (put_any) nvshmem_quiet();
+  finish_and_announce(g, epoch, kAnnounceForwarders);
 }
 
 // Which announcements a wait kernel waits for.
 enum WaitFor : int {
   kWaitAll = 0,         // flat kernels: every remote rank's completion word, every direct rank's data flag
-  kWaitForwarders = 1,  // hierarchical dispatch, before forwarding: the remote ranks of this rank's local index
-  kWaitNode = 2,        // hierarchical dispatch, after forwarding: the data flags of this node's ranks
+  kWaitForwarders = 1,  // forwarding groups: the remote ranks of this rank's local index (dispatch: before forwarding;
+                        // combine: their node partials, last)
+  kWaitNode = 2,        // forwarding groups: the data flags of this node's ranks (dispatch: last; combine: before
+                        // the forwarder's sums)
 };
 
 // Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until the rows of the ranks `which` names
@@ -494,18 +579,26 @@ const char* send_and_receive_rows(const SendArgs& a, int blocks, cudaStream_t st
   return launch_error("normal-mode receive wait (NVSHMEM)");
 }
 
-const char* combine_send(const CombineParams& p, int blocks, cudaStream_t stream) {
+// Combine: send (node-first: inside the node, then the forwarders' partial sums across nodes) until every row or
+// partial of this rank's tokens is in its staging; the reduction follows in stream order.
+const char* combine_send_and_receive(const CombineParams& p, int blocks, cudaStream_t stream) {
   rdma_combine_send_kernel<<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(p);
-  return launch_error("combine send (NVSHMEM)");
-}
-
-const char* wait_data(const GroupCtx& g, cudaStream_t stream) {
-  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(g, kWaitAll);
+  if (const char* err = launch_error("combine send (NVSHMEM)")) return err;
+  if (p.g.forward_nvl > 0) {
+    rdma_wait_data_kernel<<<1, 32, 0, stream>>>(p.g, kWaitNode);
+    if (const char* err = launch_error("combine node wait")) return err;
+    if (p.dtype == CombineDtype::kBF16)
+      rdma_combine_forward_kernel<__nv_bfloat16><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(p);
+    else
+      rdma_combine_forward_kernel<float><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(p);
+    if (const char* err = launch_error("combine forward (NVSHMEM)")) return err;
+  }
+  rdma_wait_data_kernel<<<1, 32, 0, stream>>>(p.g, p.g.forward_nvl > 0 ? kWaitForwarders : kWaitAll);
   return launch_error("normal-mode receive wait (NVSHMEM)");
 }
 
-const NormalRdmaOps kOps = {kNormalRdmaAbi, &barrier, &dispatch_notify, &send_and_receive_rows, &combine_send,
-                            &wait_data};
+const NormalRdmaOps kOps = {kNormalRdmaAbi, &barrier, &dispatch_notify, &send_and_receive_rows,
+                            &combine_send_and_receive};
 
 }  // namespace
 
@@ -517,6 +610,8 @@ Status preload_normal_kernels() {
                   reinterpret_cast<const void*>(rdma_send_rows_kernel<kMaxGroupRanks>),
                   reinterpret_cast<const void*>(rdma_combine_send_kernel),
                   reinterpret_cast<const void*>(rdma_forward_kernel),
+                  reinterpret_cast<const void*>(rdma_combine_forward_kernel<__nv_bfloat16>),
+                  reinterpret_cast<const void*>(rdma_combine_forward_kernel<float>),
                   reinterpret_cast<const void*>(rdma_wait_data_kernel)});
 }
 

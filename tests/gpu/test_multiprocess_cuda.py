@@ -78,6 +78,13 @@ def _single(*args, timeout=240):
     return _run([sys.executable, SCRIPT, *args], timeout=timeout)
 
 
+def _decoded(v):
+    """float64 values of an array ep_cuda.py saved (bf16 as its uint16 bits, f32 as is)."""
+    import ml_dtypes
+
+    return v.view(ml_dtypes.bfloat16).astype(np.float64) if v.dtype == np.uint16 else v.astype(np.float64)
+
+
 def _lines(out, tag):
     return {int(m.group(1)): m.group(2) for m in re.finditer(rf"^\[rank (\d+)\] RESULT {tag} process=\d+ (.*)$",
                                                               out, re.M)}
@@ -103,7 +110,15 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
     assert "model=single-process transport=cuda-peer" in out1
     a, b = dict(np.load(multi)), dict(np.load(single))
     assert sorted(a) == sorted(b) and len(a) >= 15, sorted(a)
+    # n=4 runs 2 nodes of 2: node-first combine sums each node's rows first, so what a combine produces (y*, and the
+    # gradients through dispatch, whose VJP is a combine) is within f32-accumulation tolerance of the flat sum
+    # (SPEC); everything else bit-identical
     for k in sorted(a):
+        if n == 4 and (k.startswith("y") or k.startswith("grad")):
+            got, want = _decoded(a[k]), _decoded(b[k])  # ep_cuda.py saves bf16 as its bits (uint16)
+            err = np.max(np.abs(got - want)) if want.size else 0.0
+            assert err <= 2 ** -6 * max(1.0, np.max(np.abs(want)) if want.size else 1.0), (k, err)
+            continue
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k}: one process per GPU != one process, {n} GPUs")
 
 

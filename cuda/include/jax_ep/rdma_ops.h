@@ -45,13 +45,13 @@ struct NormalRdmaOps {
   // Dispatch and cached dispatch: sends this rank's rows and waits (hierarchical: forwards, then waits) until every
   // row of the op is in this rank's staging; the copy-out follows in stream order.
   const char* (*send_and_receive_rows)(const normal::SendArgs& a, int blocks, cudaStream_t stream);
-  // Combine: sends this rank's received rows back; wait_data then waits for every rank's.
-  const char* (*combine_send)(const normal::CombineParams& p, int blocks, cudaStream_t stream);
-  const char* (*wait_data)(const GroupCtx& g, cudaStream_t stream);
+  // Combine: sends this rank's received rows back (node-first with forwarding: summed per node by the forwarders)
+  // and waits until every row or node partial of this rank's tokens is in its staging; the reduction follows.
+  const char* (*combine_send_and_receive)(const normal::CombineParams& p, int blocks, cudaStream_t stream);
 };
 
 constexpr uint64_t kNormalRdmaAbi =
-    (uint64_t{2} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
+    (uint64_t{3} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
     (sizeof(normal::CombineParams) << 12) ^ sizeof(GroupCtx) ^ (sizeof(BufferLayout) << 40);
 
 Status set_normal_rdma_ops(const NormalRdmaOps* ops);

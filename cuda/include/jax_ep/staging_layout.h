@@ -53,12 +53,15 @@ struct BufferLayout {
   // NVLink into each of its node's destination ranks (nvshmem/device/normal_rdma.cu):
   //   record = [tag u32 | destination rows i32 kMaxNvlPeers | global ids i32 K | weights f32 K |
   //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
+  // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's f32 partial row of
+  // token t, fwd_meta record [node][t] the contributor mask (tag word, as forwarder) and the partial weights (at
+  // offset 4, as source); the partials are staged in send_rows / send_weights at index node * T_max + t.
   int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)
-  int64_t fwd_slots;       // T_max: slot (node n, token t) = n * fwd_slots + t
+  int64_t fwd_slots;       // T_max: slots per other node (forward_slot)
   int64_t fwd_stride;      // bytes per forward record
-  int64_t fwd_rows;        // rows [nodes][T_max] x payload_stride: received for forwarding, by source node
-  int64_t fwd_meta;        // records [nodes][T_max], by source node
-  int64_t send_fwd_meta;   // records [T_max][nodes], by destination node (the sources of the puts)
+  int64_t fwd_rows;        // rows [nodes - 1][T_max] x payload_stride: received for forwarding, by source node
+  int64_t fwd_meta;        // records [nodes - 1][T_max], by source node
+  int64_t send_fwd_meta;   // records [T_max][nodes - 1], by destination node (the sources of the puts)
   int64_t total;           // bytes
 };
 
@@ -68,6 +71,12 @@ struct BufferLayout {
 JAX_EP_HD int64_t forward_nodes(int64_t num_ranks, int64_t nvl_domain) {
   if (nvl_domain < 2 || nvl_domain > kMaxNvlPeers || num_ranks % nvl_domain != 0) return 0;
   return num_ranks / nvl_domain >= 2 ? num_ranks / nvl_domain : 0;
+}
+
+// Slot of (node, token t) in a forwarding area (fwd_rows, fwd_meta) of a rank of node `owner_node`: one row of
+// fwd_slots per node other than the owner's, in node order (node != owner_node).
+JAX_EP_HD int64_t forward_slot(const BufferLayout& b, int node, int owner_node, int t) {
+  return static_cast<int64_t>(node - (node > owner_node ? 1 : 0)) * b.fwd_slots + t;
 }
 
 JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
@@ -106,7 +115,7 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
     b.total = b.expert_out + align_up(num_experts * 4);
     b.fwd_nodes = forward_nodes(num_ranks, nvl_domain);
     if (b.fwd_nodes > 0) {
-      const int64_t slots = b.fwd_nodes * max_tokens_per_rank;
+      const int64_t slots = (b.fwd_nodes - 1) * max_tokens_per_rank;  // forward_slot: the other nodes only
       b.fwd_slots = max_tokens_per_rank;
       b.fwd_stride = align_up(forward_record_bytes(num_topk, scale_cols), 16);
       b.fwd_rows = b.total;
