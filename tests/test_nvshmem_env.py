@@ -273,3 +273,48 @@ def test_native_module_name_matches_the_transport():
     from jax_ep.runtime import nvshmem
 
     assert nvshmem._MODULE_NAME == ne.NATIVE_MODULE
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernel variables (jax_ep/runtime/kernel_env.py): JAX_EP_LL_PUT_BYTES
+# ---------------------------------------------------------------------------------------------------------
+def test_ll_put_bytes_default_and_valid_values():
+    from jax_ep.runtime import kernel_env as ke
+
+    assert ke.ll_put_bytes({}) == ke.LL_PUT_BYTES_DEFAULT == 16384
+    assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": " "}) == 16384
+    for v in (2048, 4096, 30720, 65536):
+        assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": str(v)}) == v
+    assert ke.kernel_environment({"JAX_EP_LL_PUT_BYTES": "8192"}) == {"JAX_EP_LL_PUT_BYTES": 8192}
+
+
+@pytest.mark.parametrize("raw", ["1024", "3000", "0", "-2048", "131072", "16k", "2048.0"])
+def test_ll_put_bytes_rejects_bad_values_naming_the_variable(raw):
+    from jax_ep.runtime import kernel_env as ke
+
+    with pytest.raises(EPError, match=rf"JAX_EP_LL_PUT_BYTES='{raw}' must be a multiple of 2048 from 2048 to 65536"):
+        ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": raw})
+
+
+def test_initialize_rejects_a_bad_kernel_variable(monkeypatch):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    monkeypatch.setenv("JAX_EP_LL_PUT_BYTES", "1000")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    cfg = jax_ep.EPConfig(4, 64, 2, 8, backend="reference")
+    with pytest.raises(EPError, match="JAX_EP_LL_PUT_BYTES='1000'"):
+        jax_ep.initialize(mesh, cfg)
+
+
+def test_the_kernels_default_is_the_python_default():
+    """The native default (nvshmem/device/ll_rdma.cu) and kernel_env's must be one number: a process whose
+    variable is unset agrees (fingerprint) with one that sets the default explicitly."""
+    import os
+    import re
+
+    from jax_ep.runtime import kernel_env as ke
+
+    src = open(os.path.join(os.path.dirname(__file__), "..", "nvshmem", "device", "ll_rdma.cu")).read()
+    assert int(re.search(r"constexpr int kDefaultPutPartBytes = (\d+);", src).group(1)) == ke.LL_PUT_BYTES_DEFAULT

@@ -20,6 +20,7 @@ import time
 import jax
 
 from ..errors import EPError
+from .kernel_env import kernel_environment
 from .kv import client
 
 KEY_PREFIX = "jax_ep"
@@ -155,6 +156,7 @@ def fingerprint(mesh, configs, backends, transport: dict | None) -> dict:
         "configs": [dataclasses.asdict(c) for c in ordered],
         "backends": [backends[c] for c in ordered],
         "transport": transport,
+        "kernel_env": kernel_environment(),
     }
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from .. import _native
 from ..config import EPConfig
 from ..errors import EPError
+from .kernel_env import kernel_environment
 from .transport import requested as requested_transport
 
 log = logging.getLogger("jax_ep")
@@ -236,6 +237,7 @@ def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime
     for i, cfg in enumerate(configs):
         if not isinstance(cfg, EPConfig):
             raise EPError(f"jax_ep.initialize: configs[{i}] must be an EPConfig, got {type(cfg).__name__}")
+    kernel_environment()  # EPError naming a kernel variable (JAX_EP_LL_PUT_BYTES) with an invalid value
     with _lock:
         current_rt: Runtime | None = _state["runtime"]
         mesh_shape = dict(mesh.shape)

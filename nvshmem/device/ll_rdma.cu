@@ -144,15 +144,21 @@ __host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int
   return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + part_bytes - 1) / part_bytes;
 }
 
-// Bytes per counted dispatch message (experiment, branch next/ll-put-parts): JAX_EP_LL_PUT_BYTES, a multiple of
-// kSegBytes from kSegBytes (the default: 2 KB, 8 counted messages per bf16 row at H=7168) to 64 KB (one message).
-// Every rank of a group must use the same value (the receivers divide their counts by the parts): the launcher
-// passes the environment to every process. Read once per process, for the send and the receive kernels alike.
+// Bytes per counted dispatch message: 16 KB by default, so a whole message at H=7168 (14 KB bf16, 7.2 KB fp8) is one
+// put-with-signal and one signal, like DeepEP's low-latency sends. Each counted message costs the receiver one
+// signal ADD and the sender one system-scope ordering point on P2P; 2 KB parts (the first version) were 1.1x-1.35x
+// slower for bf16 on 2x H100 (docs/BENCHMARKS.md, 2026-11-25). JAX_EP_LL_PUT_BYTES overrides it (a multiple of
+// kSegBytes up to 64 KB); jax_ep.initialize validates the variable and checks that every process of the job has the
+// same value (the receivers divide their counts by the parts, so ranks that differ would wait forever). Read once
+// per process, for the send and the receive kernels alike; an invalid value here (initialize not called) is the
+// default.
+constexpr int kDefaultPutPartBytes = 16384;
+
 int put_part_bytes() {
   static const int value = [] {
     const char* v = std::getenv("JAX_EP_LL_PUT_BYTES");
     const int n = v != nullptr ? std::atoi(v) : 0;
-    return n >= kSegBytes && n <= 65536 && n % kSegBytes == 0 ? n : kSegBytes;
+    return n >= kSegBytes && n <= 65536 && n % kSegBytes == 0 ? n : kDefaultPutPartBytes;
   }();
   return value;
 }
@@ -204,9 +210,9 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
 }
 
 // ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
-// its distinct experts' owners in parts of put_part_bytes (2 KB by default; one counted message each, spread over
-// the block's warps). Counts per
-// expert in this rank's scratch; the last block announces them all (rows x parts). -----------------------------
+// its distinct experts' owners in parts of put_part_bytes (one part at H=7168 by default; one counted message each,
+// spread over the block's warps). Counts per expert in this rank's scratch; the last block announces them all
+// (rows x parts). -------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, int part_bytes) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;

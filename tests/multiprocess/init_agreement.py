@@ -3,6 +3,7 @@
 --case same      every process initializes the same config twice over (finalize in between): both succeed
 --case hidden    process 1 passes another hidden size: every process gets an EPError naming configs[0].hidden
 --case mesh      process 1 builds its mesh with another axis name: the error names the mesh axis names
+--case put_bytes process 1 sets JAX_EP_LL_PUT_BYTES=4096 (kernel variable): the error names the variable
 --case absent    process 1 never calls initialize: process 0 gets an EPError after EPConfig.timeout_seconds
 Prints `RESULT <case> process=<i> ok|error=<message> seconds=<s>` and exits 0 (the test reads the lines).
 """
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--case", required=True, choices=["same", "hidden", "mesh", "absent"])
+ap.add_argument("--case", required=True, choices=["same", "hidden", "mesh", "put_bytes", "absent"])
 a = ap.parse_args()
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 1)
@@ -33,6 +34,8 @@ import jax_ep  # noqa: E402
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 axis = "other" if (a.case == "mesh" and pid == 1) else "ep"
 mesh = Mesh(np.array(devices), (axis,))
+if a.case == "put_bytes" and pid == 1:
+    os.environ["JAX_EP_LL_PUT_BYTES"] = "4096"
 hidden = 256 if (a.case == "hidden" and pid == 1) else 128
 cfg = jax_ep.EPConfig(num_experts=4 * nproc, hidden=hidden, num_topk=2, max_tokens_per_rank=8, axis_name=axis,
                       backend="reference", timeout_seconds=3.0)

@@ -1,0 +1,43 @@
+"""Environment variables that change what the native kernels do (not NVSHMEM's own: runtime/nvshmem_env.py).
+
+The kernels read them once per process; `jax_ep.initialize` validates them here (EPError naming the variable) and
+puts them into the fingerprint every process of a job must agree on (agreement.py), because ranks that differ would
+not understand each other's messages.
+
+- JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu).
+  A multiple of 2048 from 2048 to 65536; default 16384 (one put-with-signal per row at H=7168). Smaller values
+  split a row into several counted puts (more signals, more ordering points on P2P and more NIC work requests).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import EPError
+
+ENV_LL_PUT_BYTES = "JAX_EP_LL_PUT_BYTES"
+LL_PUT_BYTES_DEFAULT = 16384
+LL_PUT_BYTES_STEP = 2048
+LL_PUT_BYTES_MAX = 65536
+
+
+def ll_put_bytes(environ=None) -> int:
+    """The value the NVSHMEM LL dispatch kernels use: JAX_EP_LL_PUT_BYTES or the default; EPError when invalid."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV_LL_PUT_BYTES, "").strip()
+    if not raw:
+        return LL_PUT_BYTES_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not (LL_PUT_BYTES_STEP <= value <= LL_PUT_BYTES_MAX and value % LL_PUT_BYTES_STEP == 0):
+        raise EPError(f"jax_ep.initialize: {ENV_LL_PUT_BYTES}={raw!r} must be a multiple of {LL_PUT_BYTES_STEP} "
+                      f"from {LL_PUT_BYTES_STEP} to {LL_PUT_BYTES_MAX} (bytes per counted message of the NVSHMEM "
+                      f"low-latency dispatch; unset: {LL_PUT_BYTES_DEFAULT})")
+    return value
+
+
+def kernel_environment(environ=None) -> dict:
+    """{variable: resolved value} for every kernel variable (validated): part of the multi-process fingerprint."""
+    return {ENV_LL_PUT_BYTES: ll_put_bytes(environ)}
