@@ -46,7 +46,7 @@ def hit(E: int, G: int, K: int) -> float:
 
 
 def row_bytes(H: int, K: int, kind: str) -> float:
-    return {"bf16": 2 * H + 8 * K, "fp8": H + 4 * H / 128 + 8 * K, "combine": 2 * H,
+    return {"bf16": 2 * H + 8 * K, "fp8": H + 4 * H / 128 + 8 * K, "combine": 2 * H + 4 * K,
             "ll_fp8": H + 4 * H / 128 + 16, "ll_bf16": 2 * H}[kind]
 
 
@@ -54,9 +54,7 @@ def normal_rows(R: int, P: int, E: int, K: int) -> dict:
     N = R // P
     return {"nodes": N * hit(E, E // N, K), "rdma": (N - 1) * hit(E, E // N, K),
             "ranks": R * hit(E, E // R, K), "nvl": R * hit(E, E // R, K) * (P - 1) / P,
-            "per_expert_rdma": K * (1 - 1 / N),
-            # combine as built (2026-11-25): one row per (token, destination rank) straight back to the source
-            "flat_rdma": R * hit(E, E // R, K) * (1 - 1 / N), "flat_nvl": R * hit(E, E // R, K) * (1 / N - 1 / R)}
+            "per_expert_rdma": K * (1 - 1 / N)}
 
 
 def ll_rows(R: int, P: int, E: int, K: int) -> dict:
@@ -163,8 +161,7 @@ def main() -> None:
         r = normal_rows(R, P, E, K)
         if a.node_limit and N > a.node_limit:
             nodes, ranks = deepep_routing_rows(R, P, E, K, a.mc_tokens, seed=R, limit=a.node_limit)
-            r.update(nodes=nodes, rdma=nodes * (1 - 1 / N), ranks=ranks, nvl=ranks * (P - 1) / P,
-                     flat_rdma=ranks * (1 - 1 / N), flat_nvl=ranks * (1 / N - 1 / R))
+            r.update(nodes=nodes, rdma=nodes * (1 - 1 / N), ranks=ranks, nvl=ranks * (P - 1) / P)
         kib = {kind: (r["rdma"] * row_bytes(H, K, kind) / 1024, r["nvl"] * row_bytes(H, K, kind) / 1024)
                for kind in ("bf16", "fp8")}
         rows_b.append([f"EP{R}", N, f"{r['nodes']:.2f}", f"{r['rdma']:.2f}", f"{r['per_expert_rdma']:.2f}",
@@ -175,10 +172,6 @@ def main() -> None:
             t_nic, t_nvl = T * r["rdma"] * rb / NIC, T * r["nvl"] * rb / NVL
             exp = max(t_nic / eta_nic, t_nvl / eta_nvl)
             cells.append(f"{t_nic * us:.0f} / {t_nvl * us:.0f} / **{exp * us:.0f}**")
-        rb = row_bytes(H, K, "combine")
-        t_nic, t_nvl = T * r["flat_rdma"] * rb / NIC, T * r["flat_nvl"] * rb / NVL
-        cells.append(f"{r['flat_rdma']:.2f}: {t_nic * us:.0f} / {t_nvl * us:.0f} / "
-                     f"**{max(t_nic / eta_nic, t_nvl / eta_nvl) * us:.0f}**")
         rows_t.append(cells)
     routing = f"at most {a.node_limit} nodes per token" if a.node_limit else "uniform routing"
     print(f"## Normal mode, per token (E={E}, K={K}, P={P}, H={H}, {routing}; KiB = 1024 bytes)\n")
@@ -187,8 +180,7 @@ def main() -> None:
                  "KiB/token RDMA / NVLink, FP8"], rows_b))
     print(f"\n## Normal mode, T={T} per rank: NIC bound / NVLink bound / expected, us "
           f"(NIC {a.nic_gbs:g} GB/s, NVLink {a.nvl_gbs:g} GB/s per GPU)\n")
-    print(table(["EP", "dispatch BF16", "dispatch FP8", "combine BF16",
-                 "combine BF16 as built (flat): RDMA rows/token: NIC / NVLink / expected"], rows_t))
+    print(table(["EP", "dispatch BF16", "dispatch FP8", "combine BF16"], rows_t))
     if skipped:
         print(f"\n(skipped EP{', EP'.join(map(str, skipped))}: E={E} experts or P={P} do not divide evenly)")
 

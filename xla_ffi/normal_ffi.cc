@@ -231,13 +231,6 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf val
     JAX_EP_CHECK(kCombine, y->element_type() == values.element_type(), "y must have the values' dtype");
     JAX_EP_CHECK_SHAPE(kCombine, "y", (*y), T, W);
     JAX_EP_CHECK_SHAPE(kCombine, "y_weights", (*y_weights), T, Kw);
-    // Node-first combine (forwarding groups): each f32 partial row (4W bytes) fills one payload_stride slot of the
-    // forwarding area, read and written as 16-byte vectors.
-    JAX_EP_CHECK(kCombine,
-                 g.forward_nvl == 0 || (4 * W <= g.layout.payload_stride && g.layout.payload_stride % 16 == 0),
-                 "node-first combine (num_max_nvl_peers=" + std::to_string(g.forward_nvl) +
-                     ") needs values [C, W] with W <= hidden and hidden % 4 == 0, got W=" + std::to_string(W));
-
     CombineParams p{};
     p.g = g;
     p.values = values.untyped_data();

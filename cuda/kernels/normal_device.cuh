@@ -191,20 +191,8 @@ __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int by
   }
 }
 
-// acc[0..kN) += partial[0..kN) with 16-byte loads (partial 16-byte aligned; L2, it was written by a put).
-template <int kN>
-__device__ __forceinline__ void add_f32_vectors(float* acc, const float* partial) {
-#pragma unroll
-  for (int q = 0; q < kN / 4; ++q) {
-    const int4 x = ld_cg_v4(reinterpret_cast<const int4*>(partial) + q);
-    const float* f = reinterpret_cast<const float*>(&x);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[4 * q + i] += f[i];
-  }
-}
-
 // Combine values of one 16-byte vector (kN elements of Elem: bf16 or f32) added into f32 accumulators, and packed
-// back; add_f32 adds the f32 partial sums of the same kN elements (hierarchical combine: a node's partial row).
+// back.
 template <typename Elem>
 struct Pack;
 template <>
@@ -220,7 +208,6 @@ struct Pack<__nv_bfloat16> {
     }
   }
   __device__ static int4 pack(const float* acc) { return pack_bf16x8(acc); }
-  __device__ static void add_f32(float* acc, const float* partial) { add_f32_vectors<kN>(acc, partial); }
 };
 template <>
 struct Pack<float> {
@@ -237,7 +224,6 @@ struct Pack<float> {
     for (int i = 0; i < 4; ++i) f[i] = acc[i];
     return v;
   }
-  __device__ static void add_f32(float* acc, const float* partial) { add_f32_vectors<kN>(acc, partial); }
 };
 
 // Combine, every thread of a block: the rows [s_begin[s], s_end[s]) of staging that came from rank s (the handle's

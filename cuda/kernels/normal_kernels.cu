@@ -247,22 +247,20 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
       for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
     }
     // the ranks that kept the token, in ascending order (the summation order the results are defined by); with
-    // node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the f32 partial its forwarder put
-    // into fwd_rows [node][t], at the place of the node's first rank
+    // node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the partial row (values' dtype)
+    // its forwarder put into fwd_rows [node][t], at the place of the node's first rank
     for (uint32_t m = kept_mask; m != 0u; m &= m - 1u) {
       const int r = __ffs(m) - 1;
+      int4 v[kU];
       if (nvl > 0 && r / nvl != me / nvl) {
         const int node = r / nvl;
         m &= ~(((1u << nvl) - 1u) << (node * nvl)) | (1u << r);  // the loop's step clears r itself
-        const float* part = reinterpret_cast<const float*>(self + B.fwd_rows + forward_slot(B, node, me / nvl, t) *
-                                                           B.payload_stride);
+        const int4* src = reinterpret_cast<const int4*>(self + B.fwd_rows + forward_slot(B, node, me / nvl, t) *
+                                                        B.payload_stride);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < n16) P::add_f32(acc[u], part + static_cast<int64_t>(base + 32 * u) * P::kN);
-        continue;
-      }
-      int4 v[kU];
-      if (r == me) {
+          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+      } else if (r == me) {
         // `values` is this op's read-only input: nothing writes it while the kernel runs.
         const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
 #pragma unroll

@@ -33,9 +33,10 @@
 //   node-first  combine of a forwarding group: a row for a source on another node goes by NVLink stores into the
 //               node's forwarder of the source's local index (payload slot [source node * P + my local][t]) with my
 //               bit OR-ed into its contributor mask (the tag word of record [source node][t]); the forwarder sums
-//               the contributed rows in f32 and puts one partial row (and weights at record offset 4) per (token,
-//               node) into the source's forwarding area [its node][t]; the source adds each node's partial once.
-// Traffic: with forwarding, one copy per (token, destination node) each way (combine: an f32 partial); otherwise
+//               the contributed rows in f32 and puts one partial row in the values' dtype (and f32 weights at
+//               record offset 4) per (token, node) into the source's forwarding area [its node][t]; the source adds
+//               each node's partial once.
+// Traffic: with forwarding, one copy per (token, destination node) each way (combine: a partial row); otherwise
 // one copy per (token, destination rank) (docs/INTERNODE.md).
 // NOTE (reuse of the send area and the counted words): every op begins with a barrier that a rank enters only after
 // its previous op's wait kernel, which saw every peer's pieces complete (forwarded dispatch: its forwarders' waits
@@ -463,8 +464,8 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
 
 // Node-first combine, on the forwarder, after its node's ranks have flagged their rows (kWaitNode): for every
 // (source node n, token t) with a contributor mask (the record tag word of slot [n][t], OR-ed in by the node's ranks;
-// cleared at the barrier), the f32 sum of the contributed rows in local-index order, and of their weights, staged in
-// the send area and put into the fwd_rows / fwd_meta slot [this node][t] of the source (n, this local index). One
+// cleared at the barrier), the f32 sum of the contributed rows in local-index order cast to the values' dtype, and the
+// f32 sum of their weights, staged in the send area and put into the fwd_rows / fwd_meta slot [this node][t] of the source (n, this local index). One
 // warp per (n, t); the last block announces to the sources of this local index.
 template <typename Elem>
 __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(const __grid_constant__ CombineParams p) {
@@ -483,7 +484,9 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
     const int64_t fslot = forward_slot(B, n, my_node, t);
     const uint32_t mask = __ldcg(reinterpret_cast<const uint32_t*>(self + B.fwd_meta + fslot * B.fwd_stride));
     if (mask == 0u) continue;  // no rank of this node kept token t of source (n, my local index)
-    float* part = reinterpret_cast<float*>(self + B.send_rows + fslot * B.payload_stride);
+    // the partial is staged and sent in the values' dtype (bf16: 2H bytes per (token, node) over RDMA, like the
+    // rows it replaces; the f32 sum is rounded once here and once more at the source, SPEC's tolerance)
+    int4* part = reinterpret_cast<int4*>(self + B.send_rows + fslot * B.payload_stride);
     for (int v = lane; v < n16; v += 32) {
       float acc[Pk::kN];
 #pragma unroll
@@ -494,9 +497,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
             self + B.payload + ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * p.row_bytes);
         Pk::add(acc, ld_cg_v4(src + v));
       }
-      float4* out = reinterpret_cast<float4*>(part + static_cast<int64_t>(v) * Pk::kN);
-#pragma unroll
-      for (int q = 0; q < Pk::kN / 4; ++q) out[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+      part[v] = Pk::pack(acc);
     }
     float* s_w = reinterpret_cast<float*>(self + B.send_weights) + fslot * Kw;
     if (lane < Kw) {
@@ -512,8 +513,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
     __syncwarp();
     const int pe = pe_of(g, n * nvl + g.rank % nvl);
     const int64_t dslot = forward_slot(B, my_node, n, t);  // at the source, of node n
-    put_plain(self + B.fwd_rows + dslot * B.payload_stride, reinterpret_cast<const char*>(part), n16 * 16 / sizeof(Elem) * 4,
-              pe);
+    put_plain(self + B.fwd_rows + dslot * B.payload_stride, reinterpret_cast<const char*>(part), p.row_bytes, pe);
     if (Kw > 0) put_plain(self + B.fwd_meta + dslot * B.fwd_stride + 4, reinterpret_cast<const char*>(s_w), 4 * Kw, pe);
     put_any = true;
   }

@@ -53,7 +53,7 @@ struct BufferLayout {
   // NVLink into each of its node's destination ranks (nvshmem/device/normal_rdma.cu):
   //   record = [tag u32 | destination rows i32 kMaxNvlPeers | global ids i32 K | weights f32 K |
   //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
-  // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's f32 partial row of
+  // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of
   // token t, fwd_meta record [node][t] the contributor mask (tag word, as forwarder) and the partial weights (at
   // offset 4, as source); the partials are staged in send_rows / send_weights at index node * T_max + t.
   int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)

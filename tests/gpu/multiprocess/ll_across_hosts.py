@@ -221,15 +221,15 @@ if counting:
     from_remote = dest[:, (host_of[token_rank] != host_of[me]), me]               # tokens of other hosts kept here
     forwarded = 2 <= a.nvl <= 8 and R % a.nvl == 0 and R // a.nvl >= 2
     if forwarded:
-        # node-first combine: this rank forwards for the sources of its local index on other hosts, one f32 partial
-        # row (4H) and K f32 weights per (such source, token) that a rank of this host kept
+        # node-first combine: this rank forwards for the sources of its local index on other hosts, one partial
+        # row (bf16: 2H) and K f32 weights per (such source, token) that a rank of this host kept
         hosts = R // a.nvl
         to_host = np.stack([dest[:, mine][..., host_of == h].any(-1) for h in range(hosts) if h != host_of[me]], -1)
         copies = int(to_host.sum())
         here = host_of == host_of[me]
         partials = sum(int(dest[:, s * T:(s + 1) * T][..., here].any(-1).sum())
                        for s in range(R) if s % a.nvl == me % a.nvl and not here[s])
-        want_normal = copies * (2 * H + 4 * (1 + 8 + 2 * K)) + partials * (4 * H + 4 * K)
+        want_normal = copies * (2 * H + 4 * (1 + 8 + 2 * K)) + partials * (2 * H + 4 * K)
     else:
         copies = int(remote_dest.sum())
         want_normal = copies * (2 * H + 8 * K + 4) + int(from_remote.sum()) * (2 * H + 4 * K)
