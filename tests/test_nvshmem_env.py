@@ -288,11 +288,15 @@ def test_ll_put_bytes_default_and_valid_values():
     assert ke.kernel_environment({"JAX_EP_LL_PUT_BYTES": "8192"}) == {"JAX_EP_LL_PUT_BYTES": 8192}
 
 
-@pytest.mark.parametrize("raw", ["1024", "3000", "0", "-2048", "131072", "16k", "2048.0"])
+@pytest.mark.parametrize("raw", ["1024", "3000", "0", "-2048", "131072", "16k", "2048.0", "4_096", "+4096",
+                                 "\u0664\u0660\u0669\u0666"])
 def test_ll_put_bytes_rejects_bad_values_naming_the_variable(raw):
     from jax_ep.runtime import kernel_env as ke
 
-    with pytest.raises(EPError, match=rf"JAX_EP_LL_PUT_BYTES='{raw}' must be a multiple of 2048 from 2048 to 65536"):
+    import re
+
+    with pytest.raises(EPError, match=re.escape(f"JAX_EP_LL_PUT_BYTES={raw!r} must be a multiple of 2048 from 2048 "
+                                                f"to 65536")):
         ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": raw})
 
 

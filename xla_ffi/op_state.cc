@@ -50,6 +50,8 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const
   if (err.empty() && a.num_experts > kMaxLayoutExperts)
     err = "num_experts must be <= " + std::to_string(kMaxLayoutExperts) + ", got " + std::to_string(a.num_experts);
   if (err.empty() && a.num_sms < 1) err = "num_sms must be >= 1, got " + std::to_string(a.num_sms);
+  // rows and node-first combine partials move as 16-byte vectors in slots of payload_stride = 4 * hidden bytes
+  if (err.empty() && a.hidden % 8 != 0) err = "hidden must be a multiple of 8, got " + std::to_string(a.hidden);
   if (err.empty() && a.rdma != 0 && a.nvl_domain < 1)
     err = "nvl_domain must be >= 1, got " + std::to_string(a.nvl_domain);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));

@@ -7,6 +7,8 @@ not understand each other's messages.
 - JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu).
   A multiple of 2048 from 2048 to 65536; default 16384 (one put-with-signal per row at H=7168). Smaller values
   split a row into several counted puts (more signals, more ordering points on P2P and more NIC work requests).
+  The kernels read it once per process, at their first launch: set it before the program starts (the launcher
+  passes the environment to every process), not between calls.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ def ll_put_bytes(environ=None) -> int:
     raw = environ.get(ENV_LL_PUT_BYTES, "").strip()
     if not raw:
         return LL_PUT_BYTES_DEFAULT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
+    # ASCII digits only: the kernels parse the variable with atoi, which stops at the first other character ("4_096"
+    # would be 4 there and 4096 for int()), and the fingerprint must hold the value the kernels use
+    value = int(raw) if raw.isascii() and raw.isdigit() else -1
     if not (LL_PUT_BYTES_STEP <= value <= LL_PUT_BYTES_MAX and value % LL_PUT_BYTES_STEP == 0):
         raise EPError(f"jax_ep.initialize: {ENV_LL_PUT_BYTES}={raw!r} must be a multiple of {LL_PUT_BYTES_STEP} "
                       f"from {LL_PUT_BYTES_STEP} to {LL_PUT_BYTES_MAX} (bytes per counted message of the NVSHMEM "

@@ -1,7 +1,7 @@
 // Low-latency dispatch and combine over NVSHMEM (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg of
-// docs/INTERNODE.md. per_expert mode. Every row moves in counted messages of at most 2 KB into the slot the NVLink
-// kernels (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs, state/token protocol and outputs;
-// what differs is how data and completion travel:
+// docs/INTERNODE.md. per_expert mode. Every row moves in counted messages (dispatch: put_part_bytes, 16 KB by
+// default; combine: 2 KB segments) into the slot the NVLink kernels (cuda/kernels/ll_kernels.cu) store into, with
+// the same halves, epochs, state/token protocol and outputs; what differs is how data and completion travel:
 //   rows        to a remote peer (another NVLink domain, or no load/store mapping): from a local send slot of the
 //               symmetric buffer (a remote put's source must be symmetric or registered memory) with
 //               nvshmemx_putmem_signal_nbi_warp; to a direct peer (same NVLink domain with an nvshmem_ptr mapping,

@@ -43,8 +43,8 @@
 // saw the remote pieces, and its final wait their flags, raised after); so no put of op n is in flight, and no
 // counted word is non-zero, when op n + 1 writes the send area or sends.
 // NOTE (cost): the tag clearing runs in every barrier of a forwarding group (nodes x T_max scattered stores before
-// the rank arrives; in the one-warp barrier kernel of cached dispatch and combine too), and the forwarding areas
-// hold a slot for the rank's own node that is never used; both are to trim once the path can be timed.
+// the rank arrives; in the one-warp barrier kernel of cached dispatch and combine too): to trim once the path can
+// be timed.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 

@@ -55,7 +55,7 @@ struct BufferLayout {
   //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
   // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of
   // token t, fwd_meta record [node][t] the contributor mask (tag word, as forwarder) and the partial weights (at
-  // offset 4, as source); the partials are staged in send_rows / send_weights at index node * T_max + t.
+  // offset 4, as source); the partials are staged in send_rows / send_weights at forward_slot(node, owner node, t).
   int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)
   int64_t fwd_slots;       // T_max: slots per other node (forward_slot)
   int64_t fwd_stride;      // bytes per forward record
