@@ -207,8 +207,10 @@ class EPConfig:
         that node with its own local index, which forwards it over NVLink to the node's destination ranks. Holds for
         groups over NVSHMEM (normal_over_nvshmem) with nodes of 2 to 8 ranks that divide num_ranks; with nodes of one
         rank a destination rank is a destination node, and otherwise every (token, destination rank) pair crosses.
-        The kernels also need every rank of a node mapped (one host); combine sends one row per (token, rank) either
-        way (docs/INTERNODE.md)."""
+        The kernels also need every rank of a node mapped (one host). When it holds, combine is node-first: the
+        forwarder sums its node's rows in f32 and sends one partial row (values' dtype) per (token, node) back, so
+        combine results are within f32-accumulation tolerance of the flat kernels' rather than bit-identical
+        (docs/INTERNODE.md)."""
         nvl = self.num_max_nvl_peers
         return self.normal_over_nvshmem(num_ranks) and 2 <= nvl <= MAX_NVL_PEERS and num_ranks % nvl == 0
 
