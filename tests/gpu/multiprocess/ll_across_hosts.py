@@ -176,10 +176,11 @@ def normal_program(cfg):
     return jax.jit(jax.shard_map(body, mesh=on, in_specs=(spec,) * 3, out_specs=P(None, "ep")))(*xs)
 
 
-def grad_program(cfg):
-    """d/dx of a loss through dispatch and combine: the combine's VJP is a cached dispatch."""
+def grad_program(cfg, dispatch_dtype=jnp.bfloat16):
+    """d/dx of a loss through dispatch and combine: the combine's VJP is a cached dispatch, the dispatch's a combine
+    of the cotangent in dispatch_dtype (float32: f32 values, rdma_combine_forward_kernel<float> when forwarding)."""
     def loss(x, idx, w):
-        o = jax_ep.dispatch(x, idx, w, cfg)
+        o = jax_ep.dispatch(x.astype(dispatch_dtype), idx, w, cfg)
         y, _ = jax_ep.combine((o.recv_x.astype(jnp.float32) * 1.5).astype(jnp.bfloat16), o.handle, cfg)
         return jnp.sum(y.astype(jnp.float32) * x.astype(jnp.float32))
 
@@ -203,10 +204,11 @@ for k in ("y", "yw"):
     ref_k = nref[k].astype(np.float64)
     nerr = np.max(np.abs(ngot[k].astype(np.float64) - ref_k))
     assert nerr <= 2 ** -7 * max(1.0, np.max(np.abs(ref_k))), (k, nerr)
-gx = host(dict(g=grad_program(cfgs["cuda"])))["g"]
-gref = host(dict(g=grad_program(cfgs["reference"])))["g"]
-gerr = np.max(np.abs(gx.astype(np.float64) - gref.astype(np.float64)))
-assert gerr <= 2 ** -6 * max(1.0, np.max(np.abs(gref.astype(np.float64)))), gerr
+for dispatch_dtype in (jnp.bfloat16, jnp.float32):  # f32: the combine of the dispatch's VJP moves f32 rows
+    gx = host(dict(g=grad_program(cfgs["cuda"], dispatch_dtype)))["g"]
+    gref = host(dict(g=grad_program(cfgs["reference"], dispatch_dtype)))["g"]
+    gerr = np.max(np.abs(gx.astype(np.float64) - gref.astype(np.float64)))
+    assert gerr <= 2 ** -6 * max(1.0, np.max(np.abs(gref.astype(np.float64)))), (jnp.dtype(dispatch_dtype).name, gerr)
 assert int(ngot["n"].sum()) > 0
 result("normal", steps=S, rows=int(ngot["n"].sum()), grad_err=f"{gerr:.3g}")
 
