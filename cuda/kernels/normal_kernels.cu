@@ -204,8 +204,9 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
 }
 
 // Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t],
-// accumulated in f32 (node-first combine: a remote node's ranks are one term, its partial row in fwd_rows). The local rank's term is read from `values` directly (the row step 1 used to copy into slot
-// [me][t]: same values, same summation order, so the result is unchanged) - one hop less for 1/R of the rows.
+// accumulated in f32 (node-first combine: a remote node's ranks are one term, its partial row in fwd_rows). The
+// local rank's term is read from `values` directly (the row step 1 used to copy into slot [me][t]: same values, same
+// summation order, so the result is unchanged) - one hop less for 1/R of the rows.
 // Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), spread over every warp of
 // the grid, so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
 // rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
