@@ -10,11 +10,15 @@
 #   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
 #   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128); TOKENS: normal mode's (default 4096)
 #   BENCH_MODES="low_latency normal"  the bench's modes
+#   SAN_KERNELS=kns=rdma_  compute-sanitizer's --kernel-name filter for the n=N runs ("" = every kernel: the NVLink
+#                   and reduce kernels of the same program too)
+#   PUT_SWEEP="4096 8192"  extra low-latency bench runs at --nvl 1 (jax_ep only), one per JAX_EP_LL_PUT_BYTES value
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 S="$OUT/summary.txt"; touch "$S"
+SAN_KERNELS=${SAN_KERNELS-kns=rdma_}; [ -n "$SAN_KERNELS" ] && kfilter=(--kernel-name "$SAN_KERNELS") || kfilter=()
 N=${N:-2}; STEPS=",${STEPS:-build,mp,suite,sanitize},"; LL_TOKENS=${LL_TOKENS:-1,32,128}
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -36,7 +40,7 @@ if has sanitize; then
     for script in ${SAN_SCRIPTS:-ll normal}; do
       [ "$script" = ll ] && prog=(tests/gpu/sanitize_ll_small.py nvshmem) || prog=(tests/gpu/sanitize_normal_small.py)
       run "san_${tool}_${script}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool \
-        --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
+        --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
     done
   done
   # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N (test hook JAX_EP_TEST_WIDE_SEND)
@@ -58,6 +62,12 @@ if has bench; then
       grep -E "^\[rank 0\] \|.*(jax_ep|kernel)" "$OUT/bench_${mode}_nvl${nvl}_ep$N.log" | cut -c10-100 \
         | sed "s/^/${mode} nvl=$nvl: /" >> "$S"
     done
+  done
+  for bytes in ${PUT_SWEEP:-}; do
+    run "bench_ll_put${bytes}_ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G JAX_EP_LL_PUT_BYTES="$bytes" python3 -m \
+      jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency --ll-tokens "$LL_TOKENS" --only jax_ep --loops 15 --nvl 1
+    grep -E "^\[rank 0\] \|.*(jax_ep|kernel)" "$OUT/bench_ll_put${bytes}_ep$N.log" | cut -c10-100 \
+      | sed "s/^/put_bytes=$bytes nvl=1: /" >> "$S"
   done
 fi
 # groups larger than the GPUs (several processes per GPU under the CUDA MPS daemon): scripts/gpu_shared_gpu.sh
