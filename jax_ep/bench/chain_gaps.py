@@ -1,0 +1,100 @@
+"""Where the time of a chained loop goes: the bench's jitted loop of N calls, traced (JAX profiler), split into each
+device operation's duration and the idle gaps between consecutive operations on this process's GPU.
+
+    python -m jax_ep.launch -n 2 -m jax_ep.bench.chain_gaps --ll-tokens 1 --only "dispatch bf16" --nvl 1
+
+Takes the bench's arguments (python -m jax_ep.bench --help; low-latency contenders of jax_ep only, --calls calls per
+loop). For each contender it prints the loop's period per call (from consecutive dispatch/combine send kernels),
+then per operation (name up to its first '(' or '<'): launches, median duration; and per pair of consecutive
+operations: the median gap between the first one's end and the second one's start. A period well above the sum of
+the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template and parameter lists and namespaces."""
+    head = re.split(r"[(<]", name.replace("(anonymous namespace)::", ""), maxsplit=1)[0].strip()
+    return head.rsplit("::", 1)[-1].split(" ")[-1] or name[:40]
+
+
+def device_ops(events, procs) -> list:
+    """The device operations ('X' events of GPU processes) of the trace, sorted by start."""
+    from .timeline import _is_device
+
+    return sorted((ev for ev in events if ev.get("ph") == "X" and "dur" in ev
+                   and _is_device(procs.get(ev.get("pid"), ""))), key=lambda ev: ev["ts"])
+
+
+def gap_report(ops) -> tuple[dict, dict, float]:
+    """(name -> durations, (name, next name) -> gaps, median period between send kernels) of one GPU's operations
+    (the first GPU process in the trace)."""
+    if not ops:
+        return {}, {}, float("nan")
+    pid = ops[0]["pid"]
+    mine = [ev for ev in ops if ev["pid"] == pid]
+    durs, gaps = {}, {}
+    for prev, nxt in zip(mine, mine[1:]):
+        a, b = short_name(prev.get("name", "")), short_name(nxt.get("name", ""))
+        gaps.setdefault((a, b), []).append(max(0.0, nxt["ts"] - (prev["ts"] + prev["dur"])))
+    for ev in mine:
+        durs.setdefault(short_name(ev.get("name", "")), []).append(float(ev["dur"]))
+    sends = [ev["ts"] for ev in mine if "send_kernel" in ev.get("name", "")]
+    periods = [b - a for a, b in zip(sends, sends[1:])]
+    return durs, gaps, statistics.median(periods) if periods else float("nan")
+
+
+def main(argv=None) -> int:
+    import jax
+
+    from jax_ep.launch import init_from_env
+
+    from .__main__ import _initialize_all, parse_args
+    from .contenders import low_latency_contenders
+    from .harness import chained_loop, to_global
+    from .kernel_times import trace_events
+    from .timeline import _names
+
+    pid, _ = init_from_env()
+    if pid != 0:  # one report: rank 0's GPU
+        sys.stdout = open("/dev/null", "w")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    args = parse_args(argv, bool(gpus))
+    if not gpus:
+        print("chain_gaps: needs CUDA GPUs (the profiler's device events); found none")
+        return 0
+    import numpy as np
+
+    devices = gpus[: args.ranks]
+    sweeps = [("low_latency", t, args.ll_experts, m) for t in args.ll_tokens for m in args.ll_modes]
+    _initialize_all(sweeps, args, devices)
+    only = [s for s in args.only.split(",") if s]
+    rng = np.random.default_rng(args.seed)
+    for _, tokens, experts, ll_mode in sweeps:
+        cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
+                                       num_sms=args.num_sms, with_ragged=False, ll_mode=ll_mode, nvl=args.nvl)
+        for case in cases:
+            if case.kind != "jax_ep" or (only and not any(s in case.name for s in only)):
+                continue
+            cargs = tuple(to_global(a, case.mesh, s) for a, s in zip(case.args, case.in_specs))
+            loop = chained_loop(case.op, args.calls, case.mesh, case.in_specs, case.feedback).lower(*cargs).compile()
+            events = trace_events(loop, cargs, iterations=3)
+            procs, _ = _names(events)
+            durs, gaps, period = gap_report(device_ops(events, procs))
+            print(f"\n[T={tokens} nvl={args.nvl}] {case.name}: period {period:.1f} us per call (send to send)")
+            print("| operation | launches | median us |")
+            for name, v in sorted(durs.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
+                print(f"| {name} | {len(v)} | {statistics.median(v):.1f} |")
+            print("| gap after | before | count | median us | max us |")
+            for (a, b), v in sorted(gaps.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
+                print(f"| {a} | {b} | {len(v)} | {statistics.median(v):.1f} | {max(v):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
