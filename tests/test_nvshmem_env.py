@@ -281,8 +281,8 @@ def test_native_module_name_matches_the_transport():
 def test_ll_put_bytes_default_and_valid_values():
     from jax_ep.runtime import kernel_env as ke
 
-    assert ke.ll_put_bytes({}) == ke.LL_PUT_BYTES_DEFAULT == 16384
-    assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": " "}) == 16384
+    assert ke.ll_put_bytes({}) == ke.LL_PUT_BYTES_DEFAULT == 8192
+    assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": " "}) == 8192
     for v in (2048, 4096, 30720, 65536):
         assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": str(v)}) == v
     assert ke.kernel_environment({"JAX_EP_LL_PUT_BYTES": "8192"}) == {"JAX_EP_LL_PUT_BYTES": 8192}

@@ -5,8 +5,10 @@ puts them into the fingerprint every process of a job must agree on (agreement.p
 not understand each other's messages.
 
 - JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu).
-  A multiple of 2048 from 2048 to 65536; default 16384 (one put-with-signal per row at H=7168). Smaller values
-  split a row into several counted puts (more signals, more ordering points on P2P and more NIC work requests).
+  A multiple of 2048 from 2048 to 65536; default 8192 (at H=7168: 2 puts-with-signal per bf16 row, 1 per fp8 row,
+  each from its own warp). Smaller values split a row into more counted puts (more signals, more ordering points on
+  P2P and more NIC work requests); larger ones leave fewer, longer puts per warp (docs/INTERNODE.md says which
+  was measured).
   The kernels read it once per process, at their first launch: set it before the program starts (the launcher
   passes the environment to every process), not between calls.
 """
@@ -18,7 +20,7 @@ import os
 from ..errors import EPError
 
 ENV_LL_PUT_BYTES = "JAX_EP_LL_PUT_BYTES"
-LL_PUT_BYTES_DEFAULT = 16384
+LL_PUT_BYTES_DEFAULT = 8192
 LL_PUT_BYTES_STEP = 2048
 LL_PUT_BYTES_MAX = 65536
 
