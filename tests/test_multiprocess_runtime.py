@@ -37,7 +37,7 @@ def test_plan_teams_sizes_and_members(R, nvl, subteams):
     plan = teams.plan_teams({"ep": [tuple(range(R))]}, {"ep": {nvl}})
     assert plan[0].kind == "group" and plan[0].pes == tuple(range(R)) and plan[0].size == R
     assert (plan[0].start, plan[0].stride) == (0, 1)
-    subs = plan[1:]
+    subs = [s for s in plan[1:] if s.kind == "nvl"]
     assert [s.ranks for s in subs] == subteams
     for j, s in enumerate(subs):
         assert s.kind == "nvl" and s.nvl_index == j and s.num_max_nvl_peers == nvl
@@ -46,6 +46,30 @@ def test_plan_teams_sizes_and_members(R, nvl, subteams):
     # every rank is in exactly one sub team when there are sub teams
     if subs:
         assert sorted(r for s in subs for r in s.ranks) == list(range(R))
+
+
+@pytest.mark.parametrize("R,nvl,nodes", [
+    (4, 8, []),                                  # fits one NVLink domain: the group is the node's team
+    (4, 4, []),
+    (2, 1, []),                                  # nodes of one rank: no team of one per node
+    (4, 2, [(0, 1), (2, 3)]),
+    (8, 4, [(0, 1, 2, 3), (4, 5, 6, 7)]),
+    (6, 4, [(0, 1, 2, 3), (4, 5)]),              # R not a multiple of nvl: the last node is partial
+    (32, 8, [tuple(range(n, n + 8)) for n in range(0, 32, 8)]),
+])
+def test_plan_teams_nvlink_teams_are_the_nodes(R, nvl, nodes):
+    """The NVLink team of a rank holds the ranks of its node (r // nvl), stride 1, after the group's RDMA teams."""
+    plan = teams.plan_teams({"ep": [tuple(range(R))]}, {"ep": {nvl}})
+    kinds = [s.kind for s in plan]
+    assert kinds == sorted(kinds, key=["group", "nvl", "node"].index), kinds
+    node_teams = [s for s in plan if s.kind == "node"]
+    assert [s.ranks for s in node_teams] == nodes
+    for n, s in enumerate(node_teams):
+        assert s.node_index == n and s.num_max_nvl_peers == nvl and s.nvl_index is None
+        assert all(r // nvl == n for r in s.ranks) and s.stride == 1 and s.size == len(s.ranks)
+        assert f"node {n} (num_max_nvl_peers={nvl})" in s.describe()
+    if nodes:  # every rank in exactly one node team
+        assert sorted(r for s in node_teams for r in s.ranks) == list(range(R))
 
 
 def test_plan_teams_dp_by_ep_and_strided_world_pes():
@@ -60,8 +84,14 @@ def test_plan_teams_dp_by_ep_and_strided_world_pes():
     # (dp=2, ep=4) with nvl = 2 over 8 processes, EP groups along rows: sub teams strided by 2 in world PEs
     plan = teams.plan_teams({"ep": [(0, 1, 2, 3), (4, 5, 6, 7)]}, {"ep": {2}})
     assert [(s.kind, s.group_index, s.pes, s.stride) for s in plan] == [
-        ("group", 0, (0, 1, 2, 3), 1), ("nvl", 0, (0, 2), 2), ("nvl", 0, (1, 3), 2),
-        ("group", 1, (4, 5, 6, 7), 1), ("nvl", 1, (4, 6), 2), ("nvl", 1, (5, 7), 2)]
+        ("group", 0, (0, 1, 2, 3), 1), ("nvl", 0, (0, 2), 2), ("nvl", 0, (1, 3), 2), ("node", 0, (0, 1), 1),
+        ("node", 0, (2, 3), 1),
+        ("group", 1, (4, 5, 6, 7), 1), ("nvl", 1, (4, 6), 2), ("nvl", 1, (5, 7), 2), ("node", 1, (4, 5), 1),
+        ("node", 1, (6, 7), 1)]
+    # EP groups along columns of a (ep=4, dp=2) mesh: world PEs strided by 2, and so are the node teams' PEs
+    plan = teams.plan_teams({"ep": [(0, 2, 4, 6), (1, 3, 5, 7)]}, {"ep": {2}})
+    assert [(s.pes, s.stride) for s in plan if s.kind == "node"] == [((0, 2), 2), ((4, 6), 2), ((1, 3), 2),
+                                                                     ((5, 7), 2)]
 
 
 def test_plan_teams_order_is_deterministic():
@@ -78,9 +108,12 @@ def test_non_strided_group_is_an_error(pes):
 
 
 def test_team_budget():
-    plan = teams.plan_teams({"ep": [tuple(range(16))]}, {"ep": {8}})  # 1 + 8 teams
+    plan = teams.plan_teams({"ep": [tuple(range(16))]}, {"ep": {8}})  # 1 + 8 RDMA teams + 2 NVLink teams
     teams.check_team_budget(plan, {})
-    with pytest.raises(EPError, match=r"need 9 NVSHMEM teams; with NVSHMEM_MAX_TEAMS=16 .* >= 17"):
+    # the widest group the kernels take (32 ranks) fits NVSHMEM's default at every node size
+    for nvl in (1, 2, 4, 8, 16):
+        teams.check_team_budget(teams.plan_teams({"ep": [tuple(range(32))]}, {"ep": {nvl}}), {})
+    with pytest.raises(EPError, match=r"need 11 NVSHMEM teams; with NVSHMEM_MAX_TEAMS=16 .* >= 19"):
         teams.check_team_budget(plan, {"NVSHMEM_MAX_TEAMS": "16"})
     with pytest.raises(EPError, match="NVSHMEM_MAX_TEAMS='x' is not an integer"):
         teams.check_team_budget(plan, {"NVSHMEM_MAX_TEAMS": "x"})

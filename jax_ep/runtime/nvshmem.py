@@ -116,8 +116,8 @@ class Team:
     def summary(self) -> dict:
         s = self.spec
         return {"kind": s.kind, "axis_name": s.axis_name, "group_index": s.group_index, "nvl_index": s.nvl_index,
-                "num_max_nvl_peers": s.num_max_nvl_peers, "pes": list(s.pes), "ranks": list(s.ranks),
-                "size": s.size, "start": s.start, "stride": s.stride, "member": self.handle is not None,
+                "node_index": s.node_index, "num_max_nvl_peers": s.num_max_nvl_peers, "pes": list(s.pes),
+                "ranks": list(s.ranks), "size": s.size, "start": s.start, "stride": s.stride, "member": self.handle is not None,
                 "my_rank": self.my_rank, "n_pes": self.n_pes}
 
 

@@ -3,8 +3,11 @@
 World PE p = jax process p (one GPU per process). Every EP group of a mesh axis becomes one NVSHMEM team made by
 `nvshmem_team_split_strided` over the world, so its PEs must be evenly strided in rank order. When a group has more
 ranks than `num_max_nvl_peers` (R > nvl), each rank also gets DeepEP's "RDMA team": the ranks of its group with the
-same NVLink-local index, r' % nvl == r % nvl (stride nvl in rank order). On 4 GPUs with nvl = 2 that makes two
-"nodes" {0, 1} and {2, 3}, and the sub teams {0, 2} and {1, 3}.
+same NVLink-local index, r' % nvl == r % nvl (stride nvl in rank order), and, when nodes have more than one rank
+(nvl > 1), its "NVLink team": the ranks of its node, r' // nvl == r // nvl (stride 1 in rank order). On 4 GPUs with
+nvl = 2 that makes two "nodes" {0, 1} and {2, 3} (the NVLink teams) and the RDMA teams {0, 2} and {1, 3}. The
+kernels address peers by world PE and need neither sub team; they are there for node-local and same-index
+collectives (docs/INTERNODE.md, "Teams and buffers").
 
 `plan_teams` lists every split in one deterministic order; every process calls the splits in that order (each is
 collective over the world, members or not).
@@ -27,13 +30,16 @@ NVSHMEM_DEFAULT_MAX_TEAMS = 32
 class TeamSpec:
     """One team split: world PEs start, start + stride, ..., in team rank order."""
 
-    kind: str  # "group" (one EP group) or "nvl" (ranks of a group with one NVLink-local index)
+    # "group" (one EP group), "nvl" (the RDMA team: ranks of a group with one NVLink-local index) or "node" (the
+    # NVLink team: the ranks of one node of a group)
+    kind: str
     axis_name: str
     group_index: int  # which EP group of the axis (row of the other mesh axes, in mesh order)
     nvl_index: int | None  # "nvl" teams: the NVLink-local index j (members: group ranks r with r % nvl == j)
-    num_max_nvl_peers: int | None  # "nvl" teams: the nvl value it was made for
+    num_max_nvl_peers: int | None  # "nvl" and "node" teams: the nvl value it was made for
     pes: tuple[int, ...]  # world PEs in team rank order
     ranks: tuple[int, ...]  # the members' ranks in their EP group
+    node_index: int | None = None  # "node" teams: the node n (members: group ranks r with r // nvl == n)
 
     @property
     def start(self) -> int:
@@ -48,9 +54,10 @@ class TeamSpec:
         return len(self.pes)
 
     def describe(self) -> str:
-        what = (f"EP group {self.group_index} of axis {self.axis_name!r}" if self.kind == "group" else
-                f"NVLink-local index {self.nvl_index} (num_max_nvl_peers={self.num_max_nvl_peers}) of EP group "
-                f"{self.group_index} of axis {self.axis_name!r}")
+        group = f"EP group {self.group_index} of axis {self.axis_name!r}"
+        what = {"group": group,
+                "nvl": f"NVLink-local index {self.nvl_index} (num_max_nvl_peers={self.num_max_nvl_peers}) of {group}",
+                "node": f"node {self.node_index} (num_max_nvl_peers={self.num_max_nvl_peers}) of {group}"}[self.kind]
         return f"{what}: PEs {list(self.pes)} (start {self.start}, stride {self.stride}, size {self.size})"
 
 
@@ -76,6 +83,14 @@ def nvl_members(num_ranks: int, num_max_nvl_peers: int) -> list[tuple[int, ...]]
     return [tuple(range(j, num_ranks, num_max_nvl_peers)) for j in range(num_max_nvl_peers)]
 
 
+def node_members(num_ranks: int, num_max_nvl_peers: int) -> list[tuple[int, ...]]:
+    """Rank lists of the NVLink teams of one group, node by node ([] when R <= nvl: the group is one node and its
+    own team; [] when nvl == 1: nodes of one rank). A last node of fewer ranks (R not a multiple of nvl) is partial."""
+    if num_ranks <= num_max_nvl_peers or num_max_nvl_peers == 1:
+        return []
+    return [tuple(range(n, min(num_ranks, n + num_max_nvl_peers))) for n in range(0, num_ranks, num_max_nvl_peers)]
+
+
 def plan_teams(groups: dict, nvl_values: dict) -> list[TeamSpec]:
     """Every team split of a runtime, in the order all processes make them.
 
@@ -92,6 +107,8 @@ def plan_teams(groups: dict, nvl_values: dict) -> list[TeamSpec]:
             for nvl in nvls:
                 for j, ranks in enumerate(nvl_members(len(pes), nvl)):
                     plan.append(TeamSpec("nvl", axis, gi, j, nvl, tuple(pes[r] for r in ranks), ranks))
+                for n, ranks in enumerate(node_members(len(pes), nvl)):
+                    plan.append(TeamSpec("node", axis, gi, None, nvl, tuple(pes[r] for r in ranks), ranks, n))
     return plan
 
 

@@ -183,7 +183,7 @@ def test_group_across_simulated_hosts():
     script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--timeout", "200", script, "--nvl", "1"],
                env={"JAX_EP_TEST_RANKS_PER_HOST": "1", "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
-    for tag in ("unmapped", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
+    for tag in ("unmapped", "teams", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
         assert sorted(_lines(out, tag)) == [0, 1], f"{tag} missing from some rank\n{out}"
     assert _lines(out, "unmapped") == {0: "ranks=[1]", 1: "ranks=[0]"}, out
 
@@ -224,7 +224,7 @@ def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl, extr
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--processes-per-gpu", str(per_gpu),
                 "--timeout", "260", script, "--nvl", str(nvl), "--oracle", "cpu", *extra], timeout=280,
                env={"JAX_EP_TEST_RANKS_PER_HOST": str(nvl), "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
-    for tag in ("unmapped", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
+    for tag in ("unmapped", "teams", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     want = {r: f"ranks={[q for q in range(n) if q // nvl != r // nvl]}" for r in range(n)}
     assert _lines(out, "unmapped") == want, out
@@ -263,7 +263,7 @@ def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):
 
 @pytest.mark.parametrize("n,dp,nvl,want_sizes,exit_hook", [
     (4, 1, 8, [4], False),              # R = 4 fits one NVLink domain: no sub team
-    (4, 1, 2, [4, 2, 2], False),        # two "nodes" of two: sub teams {0, 2} and {1, 3}
+    (4, 1, 2, [4, 2, 2, 2, 2], False),  # two "nodes" of two: RDMA teams {0, 2}, {1, 3}; NVLink teams {0, 1}, {2, 3}
     (4, 1, 1, [4, 4], True),            # one GPU per "node": the sub team is the whole group
     (4, 2, 1, [2, 2, 2, 2], False),     # (dp=2, ep=2): two groups, each with its sub team
     (2, 1, 1, [2, 2], True),

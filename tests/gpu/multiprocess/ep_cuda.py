@@ -107,6 +107,13 @@ if per_gpu:
         assert not subs, subs
     n_sub = sum(t["kind"] == "nvl" for t in rt.teams)
     assert n_sub == (a.dp * a.nvl if R > a.nvl else 0), rt.teams
+    nodes = [t for t in mine if t["kind"] == "node"]
+    if R > a.nvl > 1:  # the NVLink team: the ranks of this rank's node
+        want_ranks = [q for q in range(R) if q // a.nvl == r // a.nvl]
+        assert len(nodes) == 1 and nodes[0]["ranks"] == want_ranks and nodes[0]["n_pes"] == len(want_ranks), nodes
+        assert nodes[0]["my_rank"] == want_ranks.index(r), nodes
+    else:
+        assert not nodes, nodes
     result("teams", rank=r, group=my_group[0]["pes"], nvl_team=subs[0]["pes"] if subs else None,
            total=len(rt.teams), sizes=[t["size"] for t in rt.teams])
 if a.teams_only:

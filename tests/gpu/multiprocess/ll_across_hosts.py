@@ -4,6 +4,7 @@ Run as `JAX_EP_TEST_RANKS_PER_HOST=k python -m jax_ep.launch -n N ll_across_host
 r // k != q // k get no load/store pointer to each other's buffers (runtime/nvshmem.py), as across real hosts, so
 the group can only work through NVSHMEM puts. Checks, on every process:
   - initialize succeeds and reports the unmapped ranks (transport summary "unmapped");
+  - this rank's NVSHMEM teams: the group, its RDMA team (same NVLink-local index) and NVLink team (its node);
   - --steps low-latency steps in one jitted scan, new routing every step (-1s included): fp8 and bf16 dispatch
     bit-identical to backend="reference" (valid rows), recv counts equal, combine within bf16 tolerance;
   - with JAX_EP_TEST_COUNT_REMOTE_BYTES=1: the bytes this rank put across the host boundary are exactly one
@@ -72,6 +73,22 @@ want = [q for q in range(R) if q // a.nvl != me // a.nvl]
 assert unmapped == want, (unmapped, want)
 assert cfgs["cuda"].low_latency_over_nvshmem(R), "the group spans hosts: the NVSHMEM kernels must run"
 result("unmapped", ranks=unmapped)
+
+# ---- teams (issue 14, item 1): the group, this rank's RDMA team (its NVLink-local index on every node) and its
+# NVLink team (its node), with n_pes / my_rank as NVSHMEM reports them (nvshmem_team_n_pes / nvshmem_team_my_pe)
+member = [t for t in rt.teams if t["member"]]
+mine = {t["kind"]: t for t in member}
+assert sorted(t["kind"] for t in member) == sorted(mine), member  # one team of each kind
+rdma_ranks = [q for q in range(R) if q % a.nvl == me % a.nvl]
+node_ranks = [q for q in range(R) if q // a.nvl == me // a.nvl]
+assert (mine["group"]["n_pes"], mine["group"]["my_rank"]) == (R, me), mine["group"]
+for kind, ranks in (("nvl", rdma_ranks), ("node", node_ranks)):
+    if kind == "node" and a.nvl == 1:
+        assert kind not in mine, mine  # nodes of one rank: no NVLink team
+        continue
+    t = mine[kind]
+    assert t["ranks"] == ranks and (t["n_pes"], t["my_rank"]) == (len(ranks), ranks.index(me)), t
+result("teams", rdma=rdma_ranks, nvlink=node_ranks if a.nvl > 1 else None, total=len(rt.teams))
 
 # ---- inputs: [S steps] x (R ranks x T tokens); value-encoded rows, new routing every step ----
 rng = np.random.default_rng(7)
