@@ -119,6 +119,21 @@ def test_team_budget():
         teams.check_team_budget(plan, {"NVSHMEM_MAX_TEAMS": "x"})
 
 
+def test_nvlink_teams_are_dropped_with_a_note_when_only_they_exceed_the_budget():
+    groups = {"ep": [tuple(range(32)), tuple(range(32, 64))]}  # dp=2 x EP32, nodes of 8
+    plan, note = teams.plan_within_budget(groups, {"ep": {8}}, {})  # 2 x (1 + 8 + 4) = 26 + 8 > 32
+    assert [s.kind for s in plan].count("node") == 0 and len(plan) == 18
+    assert plan == [s for s in teams.plan_teams(groups, {"ep": {8}}) if s.kind != "node"]
+    assert "made no NVLink (node) teams" in note and "NVSHMEM_MAX_TEAMS >= 34" in note
+    plan, note = teams.plan_within_budget(groups, {"ep": {8}}, {"NVSHMEM_MAX_TEAMS": "34"})
+    assert note is None and len(plan) == 26
+    plan, note = teams.plan_within_budget({"ep": [tuple(range(16))]}, {"ep": {8}}, {})  # fits: every team
+    assert note is None and [s.kind for s in plan].count("node") == 2
+    # what does not fit without them either stays an error, counting the teams that are needed
+    with pytest.raises(EPError, match=r"need 18 NVSHMEM teams; with NVSHMEM_MAX_TEAMS=20"):
+        teams.plan_within_budget(groups, {"ep": {8}}, {"NVSHMEM_MAX_TEAMS": "20"})
+
+
 # ---------------------------------------------------------------------------------------------------------
 # NVSHMEM environment (the one place that decides NVSHMEM_* variables)
 # ---------------------------------------------------------------------------------------------------------

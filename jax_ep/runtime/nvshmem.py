@@ -115,10 +115,10 @@ class Team:
 
     def summary(self) -> dict:
         s = self.spec
-        return {"kind": s.kind, "axis_name": s.axis_name, "group_index": s.group_index, "nvl_index": s.nvl_index,
-                "node_index": s.node_index, "num_max_nvl_peers": s.num_max_nvl_peers, "pes": list(s.pes),
-                "ranks": list(s.ranks), "size": s.size, "start": s.start, "stride": s.stride, "member": self.handle is not None,
-                "my_rank": self.my_rank, "n_pes": self.n_pes}
+        return {"kind": s.kind, "axis_name": s.axis_name, "group_index": s.group_index,
+                "nvl_index": s.nvl_index, "node_index": s.node_index, "num_max_nvl_peers": s.num_max_nvl_peers,
+                "pes": list(s.pes), "ranks": list(s.ranks), "size": s.size, "start": s.start, "stride": s.stride,
+                "member": self.handle is not None, "my_rank": self.my_rank, "n_pes": self.n_pes}
 
 
 @dataclasses.dataclass
@@ -149,8 +149,9 @@ class NvshmemTransport:
         nvl: dict = {}
         for c in cuda_configs:
             nvl.setdefault(c.axis_name, set()).add(c.num_max_nvl_peers)
-        plan = teams_mod.plan_teams({a: pes_by_axis[a] for a in axes}, nvl)
-        teams_mod.check_team_budget(plan)
+        plan, note = teams_mod.plan_within_budget({a: pes_by_axis[a] for a in axes}, nvl)
+        if note:
+            log.warning(note)
         # per axis with low-latency buffers: the NVLink domain of the NVSHMEM LL kernels, 0 for the NVLink kernels
         # (every rank needs a pointer); the configs of one axis agree (lifecycle._check_low_latency_transport)
         ll_domains = {c.axis_name: (c.low_latency_nvl_domain()
@@ -223,7 +224,7 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
           forward_domains: dict | None = None) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
-    plan: teams.plan_teams(...) (every process the same); groups: axis -> list of PE tuples in rank order;
+    plan: teams.plan_within_budget(...)[0] (every process the same); groups: axis -> list of PE tuples in rank order;
     axes: the mesh axes with CUDA configs, in the order buffers are allocated; ll_domains: axis -> NVLink domain of
     its low-latency kernels, forward_domains: axis -> node size of its forwarded normal-mode dispatch
     (check_unmapped).

@@ -127,6 +127,26 @@ def check_team_budget(plan, environ=None) -> None:
                       f"{len(plan) + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize")
 
 
+def plan_within_budget(groups: dict, nvl_values: dict, environ=None) -> tuple[list[TeamSpec], str | None]:
+    """The teams to make: the whole plan when it fits NVSHMEM_MAX_TEAMS; else the plan without its NVLink ("node")
+    teams, which no kernel uses, and a note saying so (several EP groups of a data-parallel axis multiply them:
+    dp=2 x EP32 with nodes of 8 needs 34 teams with them, 26 without). EPError when even that does not fit. The same
+    answer on every process (the same plan and environment)."""
+    plan = plan_teams(groups, nvl_values)
+    try:
+        check_team_budget(plan, environ)
+        return plan, None
+    except EPError:
+        core = [s for s in plan if s.kind != "node"]
+        if len(core) == len(plan):
+            raise
+    check_team_budget(core, environ)
+    return core, (f"jax_ep.initialize: made no NVLink (node) teams: with them the mesh and configs need {len(plan)} "
+                  f"NVSHMEM teams, more than NVSHMEM_MAX_TEAMS allows (about {NVSHMEM_RESERVED_TEAMS} taken by "
+                  f"NVSHMEM itself). No jax_ep kernel uses them; set NVSHMEM_MAX_TEAMS >= "
+                  f"{len(plan) + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize to have them")
+
+
 def my_teams(plan, pe: int) -> list[tuple[TeamSpec, int]]:
     """(spec, this PE's rank in the team) for the teams `pe` is a member of."""
     return [(spec, spec.pes.index(pe)) for spec in plan if pe in spec.pes]
