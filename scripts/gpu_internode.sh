@@ -10,8 +10,8 @@
 #   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
 #   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128); TOKENS: normal mode's (default 4096)
 #   BENCH_MODES="low_latency normal"  the bench's modes
-#   SAN_KERNELS=kns=rdma_  compute-sanitizer's --kernel-name filter for the n=N runs ("" = every kernel: the NVLink
-#                   and reduce kernels of the same program too)
+#   SAN_KERNELS=kns=rdma_  compute-sanitizer's --kernel-name filter of every sanitizer run ("" = every kernel: the
+#                   NVLink and reduce kernels of the same programs too)
 #   PUT_SWEEP="4096 8192"  extra low-latency bench runs at --nvl 1 (jax_ep only), one per JAX_EP_LL_PUT_BYTES value
 set -u
 cd "$(dirname "$0")/.."
@@ -46,9 +46,9 @@ if has sanitize; then
   # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N (test hook JAX_EP_TEST_WIDE_SEND)
   [[ " ${SAN_SCRIPTS:-ll normal} " == *" normal "* ]] && run "san_memcheck_normal_wide_n${N}" 120 env \
     JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_WIDE_SEND=1 compute-sanitizer --tool memcheck --report-api-errors no \
-    --kernel-name kns=rdma_ python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_normal_small.py
+    "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_normal_small.py
   [ -n "${SAN_TOOLS:-}" ] || run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
-    --tool memcheck --report-api-errors no --kernel-name kns=rdma_ python3 -m jax_ep.launch -n 1 --timeout 110 \
+    --tool memcheck --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n 1 --timeout 110 \
     tests/gpu/sanitize_ll_small.py nvshmem
 fi
 if has bench; then
@@ -65,7 +65,8 @@ if has bench; then
   done
   for bytes in ${PUT_SWEEP:-}; do
     run "bench_ll_put${bytes}_ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G JAX_EP_LL_PUT_BYTES="$bytes" python3 -m \
-      jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency --ll-tokens "$LL_TOKENS" --only jax_ep --loops 15 --nvl 1
+      jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency --ll-tokens "$LL_TOKENS" --only jax_ep --loops 15 --nvl 1 \
+      --out "$OUT/bench_ll_put$bytes"
     grep -E "^\[rank 0\] \|.*(jax_ep|kernel)" "$OUT/bench_ll_put${bytes}_ep$N.log" | cut -c10-100 \
       | sed "s/^/put_bytes=$bytes nvl=1: /" >> "$S"
   done

@@ -147,11 +147,11 @@ __host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int
 // Bytes per counted dispatch message: 8 KB by default, so a message at H=7168 is 2 puts-with-signal bf16 (14 KB) and
 // 1 fp8 (7.2 KB), each from its own warp: K=8 destinations x 2 parts keep the block's 16 warps busy. NVSHMEM's put
 // over P2P is a copy loop of the calling warp (one 16-byte vector per lane per step), so a whole 14 KB message from
-// one warp is a chain of 28 dependent steps while half the warps idle; each counted message costs the receiver one
+// one warp is a chain of 29 dependent steps while half the warps idle; each counted message costs the receiver one
 // signal ADD and the sender one system-scope ordering point on P2P. Measured on 2x H100 (docs/BENCHMARKS.md,
-// 2026-11-25, 100-call loops): bf16 dispatch at T=1 45.8 us with 16 KB, 42.2 us with 8 KB (NVLink kernels 31.5),
-// the same at T=32 and T=128; 2 KB parts (the first version) were slower than both; 4 KB parts from 32-warp blocks
-// (64 registers: spills) were no better than 16 KB. JAX_EP_LL_PUT_BYTES overrides it (a multiple of kSegBytes up to
+// 2026-11-25, 100-call loops, the same call): bf16 dispatch at T=1 1.36x the NVLink kernels' time with 8 KB, 1.46x
+// with 16 KB, the same at T=32 and T=128; 2 KB parts (the first version) were slower than both; 4 KB parts from
+// 32-warp blocks (64 registers: spills) were no better than 16 KB. JAX_EP_LL_PUT_BYTES overrides it (a multiple of kSegBytes up to
 // 64 KB); jax_ep.initialize validates the variable and checks that every process of the job has the same value
 // (the receivers divide their counts by the parts, so ranks that differ would wait forever). Read once per process,
 // for the send and the receive kernels alike; an invalid value here (initialize not called) is the default.
@@ -214,8 +214,8 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
 
 // ---- dispatch send: block per token; the message is built once in the token's send slot, then put to each of
 // its distinct experts' owners in parts of put_part_bytes (at H=7168 by default 2 parts bf16, 1 fp8; one counted
-// message each, spread over the block's warps). Counts per expert in this rank's scratch; the last block announces them all
-// (rows x parts). -------------------------------------------------------------------------------------------------
+// message each, spread over the block's warps). Counts per expert in this rank's scratch; the last block announces
+// them all (rows x parts). ----------------------------------------------------------------------------------------
 __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, int part_bytes) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;

@@ -112,6 +112,7 @@ if per_gpu:
         want_ranks = [q for q in range(R) if q // a.nvl == r // a.nvl]
         assert len(nodes) == 1 and nodes[0]["ranks"] == want_ranks and nodes[0]["n_pes"] == len(want_ranks), nodes
         assert nodes[0]["my_rank"] == want_ranks.index(r), nodes
+        assert nodes[0]["pes"] == [my_group[0]["pes"][q] for q in want_ranks], nodes
     else:
         assert not nodes, nodes
     result("teams", rank=r, group=my_group[0]["pes"], nvl_team=subs[0]["pes"] if subs else None,
