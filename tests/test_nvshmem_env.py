@@ -236,6 +236,11 @@ def test_stored_settings_reach_the_transport_plan(monkeypatch):
     assert info["error"] is None
     assert info["environment"]["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
     assert info["environment"]["NVSHMEM_QP_DEPTH"] == "2048"
+    assert info["max_teams"] == 32  # NVSHMEM's default: which teams initialize makes depends on it
+    monkeypatch.setenv("NVSHMEM_MAX_TEAMS", "48")
+    assert nvshmem.prepare(1 << 20)["max_teams"] == 48
+    monkeypatch.setenv("NVSHMEM_MAX_TEAMS", "many")
+    assert "NVSHMEM_MAX_TEAMS='many' is not an integer" in nvshmem.prepare(1 << 20)["error"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -204,6 +204,7 @@ def prepare(required_heap_bytes: int) -> dict:
     m = module()
     info["initialized"] = bool(m.initialized())
     try:
+        info["max_teams"] = teams_mod.team_limit()  # the team plan (plan_within_budget) depends on it
         if m.initialized():
             heap = _process["heap_bytes"]
             if heap is not None and required_heap_bytes + HEAP_HEADROOM_BYTES > heap:

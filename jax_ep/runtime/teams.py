@@ -112,14 +112,20 @@ def plan_teams(groups: dict, nvl_values: dict) -> list[TeamSpec]:
     return plan
 
 
-def check_team_budget(plan, environ=None) -> None:
-    """Raises EPError when the plan needs more teams than NVSHMEM_MAX_TEAMS allows (same answer on every process)."""
+def team_limit(environ=None) -> int:
+    """NVSHMEM_MAX_TEAMS as NVSHMEM will read it (its default when unset); EPError when it is not an integer. Part of
+    the transport plan every process compares (nvshmem.prepare): processes that differ would plan different teams."""
     environ = os.environ if environ is None else environ
     raw = environ.get("NVSHMEM_MAX_TEAMS", "")
     try:
-        limit = int(raw) if raw else NVSHMEM_DEFAULT_MAX_TEAMS
+        return int(raw) if raw else NVSHMEM_DEFAULT_MAX_TEAMS
     except ValueError:
         raise EPError(f"jax_ep.initialize: NVSHMEM_MAX_TEAMS={raw!r} is not an integer") from None
+
+
+def check_team_budget(plan, environ=None) -> None:
+    """Raises EPError when the plan needs more teams than NVSHMEM_MAX_TEAMS allows (same answer on every process)."""
+    limit = team_limit(environ)
     if len(plan) + NVSHMEM_RESERVED_TEAMS > limit:
         raise EPError(f"jax_ep.initialize: the mesh and configs need {len(plan)} NVSHMEM teams; with "
                       f"NVSHMEM_MAX_TEAMS={limit} (about {NVSHMEM_RESERVED_TEAMS} taken by NVSHMEM itself) at most "
