@@ -352,6 +352,26 @@ Status remote_put_bytes(bool reset, uint64_t* out) {
 #endif
 }
 
+Status ll_phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns,
+                 std::vector<uint64_t>* hits) {
+#if JAX_EP_NVSHMEM_DEVICE
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  JAX_EP_RETURN_IF_ERROR(need_initialized(s, "ll_phases"));
+  JAX_EP_RETURN_IF_ERROR(select_device(s));
+  JAX_EP_RETURN_IF_ERROR(rdma::ll_phases(reset, ns, hits));
+  const char* const* n = rdma::ll_phase_names();
+  names->assign(n, n + ns->size());
+  return Status::Ok();
+#else
+  (void)reset;
+  (void)names;
+  (void)ns;
+  (void)hits;
+  return Status::Error("ll_phases: this jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library");
+#endif
+}
+
 Status device_check(double timeout_s, std::vector<int32_t>* out) {
 #if JAX_EP_NVSHMEM_DEVICE
   State& s = state();

@@ -157,6 +157,19 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       "Test hook: bytes of low-latency rows this device put to remote peers (NVSHMEM puts) since the last reset; "
       "counted only when JAX_EP_TEST_COUNT_REMOTE_BYTES=1 was set before initialize");
   m.def(
+      "test_ll_phases",
+      [](bool reset) {
+        std::vector<std::string> names;
+        std::vector<uint64_t> ns, hits;
+        blocking([&] { return nh::ll_phases(reset, &names, &ns, &hits); });
+        nb::list out;
+        for (size_t i = 0; i < names.size(); ++i) out.append(nb::make_tuple(names[i], ns[i], hits[i]));
+        return out;
+      },
+      nb::arg("reset") = false,
+      "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVSHMEM low-latency kernels since the last "
+      "reset; stamped only when JAX_EP_TEST_LL_PHASES=1 was set before initialize (nvshmem/device/phase_stamps.cuh)");
+  m.def(
       "low_latency_rdma_ops",
       []() -> nb::object {
 #if JAX_EP_NVSHMEM_DEVICE

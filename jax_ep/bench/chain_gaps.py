@@ -8,10 +8,14 @@ loop). For each contender it prints the loop's period per call (from consecutive
 then per operation (name up to its first '(' or '<'): launches, median duration; and per pair of consecutive
 operations: the median gap between the first one's end and the second one's start. A period well above the sum of
 the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
+
+With JAX_EP_TEST_LL_PHASES=1 in the environment (before initialize) the NVSHMEM low-latency kernels also stamp named
+points (nvshmem/device/phase_stamps.cuh) and the report adds, per phase, the mean time from a block's start.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import sys
@@ -47,6 +51,27 @@ def gap_report(ops) -> tuple[dict, dict, float]:
     sends = [ev["ts"] for ev in mine if "send_kernel" in ev.get("name", "")]
     periods = [b - a for a, b in zip(sends, sends[1:])]
     return durs, gaps, statistics.median(periods) if periods else float("nan")
+
+
+def phase_table(rows) -> list:
+    """Markdown lines of the phase stamps [(name, summed ns, stamps)]: mean us from a block's start per stamp."""
+    lines = ["| phase (NVSHMEM LL kernels) | stamps | mean us from the block's start |"]
+    for name, ns, hits in rows:
+        if hits:
+            lines.append(f"| {name} | {hits} | {ns / hits / 1e3:.2f} |")
+    return lines
+
+
+def _phase_reader():
+    """The NVSHMEM module's test_ll_phases when JAX_EP_TEST_LL_PHASES=1 and the module has it, else None."""
+    if os.environ.get("JAX_EP_TEST_LL_PHASES") != "1":
+        return None
+    from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+    try:
+        return getattr(nvshmem_runtime.module(), "test_ll_phases", None)
+    except Exception:  # no NVSHMEM module in this build
+        return None
 
 
 def main(argv=None) -> int:
@@ -93,6 +118,12 @@ def main(argv=None) -> int:
             print("| gap after | before | count | median us | max us |")
             for (a, b), v in sorted(gaps.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
                 print(f"| {a} | {b} | {len(v)} | {statistics.median(v):.1f} | {max(v):.1f} |")
+            read_phases = _phase_reader()
+            if read_phases is not None:  # untraced loops: the stamps of this contender only
+                read_phases(True)
+                for _ in range(3):
+                    jax.block_until_ready(loop(*cargs))
+                print("\n".join(phase_table(read_phases(True))))
     return 0
 
 

@@ -26,10 +26,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "common/preload.cuh"
 #include "device/counted_signal.cuh"
 #include "device/ll_rdma.h"
+#include "device/phase_stamps.cuh"
 #include "device/remote_puts.cuh"
 #include "kernels/ll_device.cuh"
 #include "kernels/ll_protocol.cuh"
@@ -40,6 +42,10 @@ namespace jax_ep::rdma {
 // The test hook's byte counter (remote_puts.cuh).
 __device__ uint32_t g_count_remote_bytes;
 __device__ unsigned long long g_remote_bytes;
+// The phase sums of the test hook (phase_stamps.cuh).
+__device__ uint32_t g_time_phases;
+__device__ unsigned long long g_phase_ns[kLlPhases];
+__device__ unsigned long long g_phase_hits[kLlPhases];
 
 namespace {
 
@@ -172,11 +178,13 @@ struct RdmaWait {
   int parts;
   __device__ __forceinline__ int32_t source_count(const Ctx& c, const char*, uint32_t epoch, int l, int s) const {
     const int i = l * c.g.num_ranks + s;
-    return static_cast<int32_t>(announced(wait_signal(signal_words(c, epoch) + i, c, "low-latency dispatch "
-                                                      "receive (NVSHMEM)", i)) / static_cast<uint32_t>(parts));
+    const uint64_t word = wait_signal(signal_words(c, epoch) + i, c, "low-latency dispatch receive (NVSHMEM)", i);
+    phase_stamp(kPhaseRecvWaited);
+    return static_cast<int32_t>(announced(word) / static_cast<uint32_t>(parts));
   }
   __device__ __forceinline__ void expert_rows(const Ctx& c, char*, uint32_t epoch, int e) const {
     wait_signal(signal_words(c, epoch) + e, c, "low-latency combine receive (NVSHMEM)", e);
+    phase_stamp(kPhaseRecvWaited);
   }
 };
 
@@ -192,10 +200,13 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
   const Ctx& c = p.c;
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
+  phase_begin();
   if (threadIdx.x == 0) open_recv(p.io, &s_gate);
   __syncthreads();
   if (s_gate.work) body(s_gate.epoch);  // block-uniform
+  phase_stamp(kPhaseRecvBody);
   if (!last_block_all(ll_word(c.g, SignalHeader::kLlRecvDone), &s_last)) return;
+  phase_stamp(kPhaseRecvLast);
   if (s_gate.work) {
     uint64_t* words = signal_words(c, s_gate.epoch);
     for (int i = threadIdx.x; i < c.num_experts; i += blockDim.x) {
@@ -203,11 +214,13 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
       words[i] = 0;
     }
     __syncthreads();
+    phase_stamp(kPhaseRecvReset);
     if (threadIdx.x == 0) {
       __threadfence_system();  // every reset is visible before any sender can see the count below
       uint64_t* mine = consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank;
       for (int d = 0; d < c.g.num_ranks; ++d) add_to_word(mine, 1, c.g.pe[d], is_direct(c, d));
     }
+    phase_stamp(kPhaseRecvConsumed);
   }
   if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
 }
@@ -234,6 +247,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
     s_direct[threadIdx.x] = is_direct(c, threadIdx.x);
     wait_consumed_rdma(c, threadIdx.x, epoch);
   }
+  phase_stamp(kPhaseSendConsumed);
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
   const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
@@ -257,6 +271,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
     if (threadIdx.x == 0) *reinterpret_cast<int4*>(slot) = make_int4(t, 0, 0, 0);
     __threadfence();
     __syncthreads();  // the whole message is in the slot before any warp puts it
+    if (t == static_cast<int>(blockIdx.x)) phase_stamp(kPhaseSendStaged);
     for (int item = warp; item < K * parts; item += nw) {
       const int k = item / parts, off = (item % parts) * part_bytes;
       const int dest = s_dest[k];
@@ -267,6 +282,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
                    s_direct[d]);
     }
     __syncthreads();  // s_dest / s_pos are reused by the next token
+    if (t == static_cast<int>(blockIdx.x)) phase_stamp(kPhaseSendPut);
   }
 }
 
@@ -275,6 +291,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
+  phase_begin();
   if (threadIdx.x == 0)
     open_send(c.g, p.io, p.fused, p.num_tokens,
               p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
@@ -282,6 +299,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
   __syncthreads();
   if (s_gate.work) dispatch_send_body(p, s_gate.epoch, part_bytes);  // block-uniform
   if (!last_block_all(ll_word(c.g, SignalHeader::kLlSendDone), &s_last)) return;
+  phase_stamp(kPhaseSendLast);
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.ll.scratch);
     uint64_t* signals = signal_words(c, s_gate.epoch);
@@ -295,6 +313,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
     }
   }
   __syncthreads();
+  phase_stamp(kPhaseSendAnnounced);
   if (threadIdx.x == 0) finish_send_last(c.g, p.io, s_gate);
 }
 
@@ -440,7 +459,32 @@ Status preload_kernels() {
   const char* v = std::getenv("JAX_EP_TEST_COUNT_REMOTE_BYTES");
   const uint32_t on = v != nullptr && std::string(v) == "1" ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_count_remote_bytes, &on, sizeof(on)));
+  const char* phases = std::getenv("JAX_EP_TEST_LL_PHASES");
+  const uint32_t time_phases = phases != nullptr && std::string(phases) == "1" ? 1u : 0u;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_time_phases, &time_phases, sizeof(time_phases)));
   return Status::Ok();
+}
+
+Status ll_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
+  ns->assign(kLlPhases, 0);
+  hits->assign(kLlPhases, 0);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(ns->data(), g_phase_ns, sizeof(g_phase_ns)));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(hits->data(), g_phase_hits, sizeof(g_phase_hits)));
+  if (reset) {
+    const std::vector<unsigned long long> zero(kLlPhases, 0);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_phase_ns, zero.data(), sizeof(g_phase_ns)));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_phase_hits, zero.data(), sizeof(g_phase_hits)));
+  }
+  return Status::Ok();
+}
+
+const char* const* ll_phase_names() {
+  static const char* const names[kLlPhases] = {
+      "send: consumed waited", "send: first token staged", "send: first token put", "send: last block reached",
+      "send: counts announced", "recv: first word complete", "recv: body done", "recv: last block reached",
+      "recv: signal words reset", "recv: consumed counts added"};
+  return names;
 }
 
 Status remote_put_bytes(bool reset, uint64_t* out) {

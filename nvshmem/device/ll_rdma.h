@@ -2,6 +2,9 @@
 // through (jax_ep/rdma_ops.h).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "jax_ep/rdma_ops.h"
 #include "jax_ep/status.h"
 
@@ -17,5 +20,12 @@ Status preload_kernels();
 // Test hook: bytes of rows the current device put to remote peers since the last reset (0 unless counting is
 // armed); synchronizes the device first.
 Status remote_put_bytes(bool reset, uint64_t* out);
+
+// Test hook JAX_EP_TEST_LL_PHASES=1 (phase_stamps.cuh): per phase of the NVSHMEM low-latency kernels, the summed
+// nanoseconds from a block's start and the number of stamps since the last reset; synchronizes the device first.
+Status ll_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits);
+
+// The phases' names, in the order of ll_phases' vectors (kLlPhases of them).
+const char* const* ll_phase_names();
 
 }  // namespace jax_ep::rdma
