@@ -480,10 +480,11 @@ Status ll_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* h
 }
 
 const char* const* ll_phase_names() {
-  static const char* const names[kLlPhases] = {
+  static const char* const names[] = {
       "send: consumed waited", "send: first token staged", "send: first token put", "send: last block reached",
       "send: counts announced", "recv: first word complete", "recv: body done", "recv: last block reached",
       "recv: signal words reset", "recv: consumed counts added"};
+  static_assert(sizeof(names) / sizeof(names[0]) == kLlPhases, "one name per LlPhase");
   return names;
 }
 
