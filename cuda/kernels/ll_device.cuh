@@ -216,9 +216,13 @@ inline int send_grid(const DispatchSendParams& p) {
   return std::max(1, std::min(p.num_tokens, 2 * sm_count_or_default(p.c)));
 }
 
-// Kernels with blocks (local expert, part): parts so that a call spreads over about two blocks per SM.
+// Kernels with blocks (local expert, part), launched with kExpertBlocksPerSm blocks per SM resident (their
+// __launch_bounds__ say so): as many parts as fit in ONE wave (at least 1). A second wave pays every block's fixed
+// cost (open, the signal wait, fences) twice on the critical path: rounding up (288 blocks for L=144 on 132 SMs)
+// made both LL receive kernels two waves at EP2.
+constexpr int kExpertBlocksPerSm = 2;
 inline dim3 expert_grid(const Ctx& c, int max_parts = 16) {
-  const int parts = std::max(1, std::min(max_parts, (2 * sm_count_or_default(c) + c.num_local - 1) / c.num_local));
+  const int parts = std::max(1, std::min(max_parts, kExpertBlocksPerSm * sm_count_or_default(c) / c.num_local));
   return dim3(c.num_local, parts);
 }
 

@@ -215,12 +215,14 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
     }
     __syncthreads();
     phase_stamp(kPhaseRecvReset);
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // every reset is visible before any sender can see the count below
-      uint64_t* mine = consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank;
-      for (int d = 0; d < c.g.num_ranks; ++d) add_to_word(mine, 1, c.g.pe[d], is_direct(c, d));
+    // One thread per rank (thread 0 adding them one by one cost ~2.7 us at R=2): each fences at system scope first,
+    // so every reset of the block (ordered before it by the __syncthreads) is visible before any sender sees its
+    // count.
+    for (int d = threadIdx.x; d < c.g.num_ranks; d += blockDim.x) {
+      __threadfence_system();
+      add_to_word(consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank, 1, c.g.pe[d], is_direct(c, d));
     }
-    phase_stamp(kPhaseRecvConsumed);
+    phase_stamp(kPhaseRecvConsumed);  // thread 0's add done
   }
   if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
 }
@@ -243,11 +245,21 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
   __shared__ int32_t s_direct[kMaxGroupRanks];
-  if (threadIdx.x < R) {  // token_slots' __syncthreads orders these before their use
-    s_direct[threadIdx.x] = is_direct(c, threadIdx.x);
-    wait_consumed_rdma(c, threadIdx.x, epoch);
-  }
-  phase_stamp(kPhaseSendConsumed);
+  // The consumed wait (each peer has read op n-2 from this rank's slots there: a signal fetch and a system fence per
+  // peer, ~3.7 us at T=1 on 2x H100 when every block did it first) gates only what this block writes at the peers:
+  // its puts and, in the last block, the announces. Staging a token into this rank's own send slot does not depend
+  // on it, so the last warp waits while the others stage the block's first token (a row of fewer segments than the
+  // block has warps, H < 16384, leaves it no staging of its own), and the staging __syncthreads orders the wait (and s_direct) before every
+  // put. A block without a token waits after the loop: it may be the last block, whose announces last_block_all
+  // orders after every block's wait.
+  const bool waiter = warp_id() == num_warps() - 1;
+  auto wait_peers = [&] {
+    for (int d = lane_id(); d < R; d += 32) {
+      s_direct[d] = is_direct(c, d);
+      wait_consumed_rdma(c, d, epoch);
+    }
+    phase_stamp_lane0(kPhaseSendConsumed);
+  };
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
   const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
@@ -256,6 +268,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     token_slots(p.topk_idx, t, K, E, 1, s_dest, s_pos, s_part);
     if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
+    if (waiter && t == static_cast<int>(blockIdx.x)) wait_peers();
     char* slot = self + half + c.ll.send + static_cast<int64_t>(t) * c.ll.msg_stride;
     const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
     if (p.use_fp8) {
@@ -284,6 +297,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
     __syncthreads();  // s_dest / s_pos are reused by the next token
     if (t == static_cast<int>(blockIdx.x)) phase_stamp(kPhaseSendPut);
   }
+  if (waiter && static_cast<int>(blockIdx.x) >= T) wait_peers();
 }
 
 __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const __grid_constant__ DispatchSendParams p,
@@ -379,7 +393,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
@@ -390,7 +404,7 @@ __global__ void __launch_bounds__(kThreads) rdma_combine_send_kernel(const __gri
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p,
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p,
                                                                        int part_bytes) {
   const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden, part_bytes)};
   rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });

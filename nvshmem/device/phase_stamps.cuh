@@ -14,7 +14,7 @@
 namespace jax_ep::rdma {
 
 enum LlPhase : int {
-  kPhaseSendConsumed = 0,  // dispatch send, each block: thread 0's consumed wait (peer 0) done
+  kPhaseSendConsumed = 0,  // dispatch send, each block: its last warp's consumed wait (lane 0: peer 0) done
   kPhaseSendStaged,        // dispatch send, each block's first token: its message in the send slot (block barrier)
   kPhaseSendPut,           // dispatch send, each block's first token: every part put (block barrier)
   kPhaseSendLast,          // dispatch send, last block: every block counted itself
@@ -42,10 +42,19 @@ __device__ __forceinline__ void phase_begin() {
   if (threadIdx.x == 0 && g_time_phases) block_start_ns() = global_timer_ns();
 }
 
-__device__ __forceinline__ void phase_stamp(LlPhase phase) {
-  if (threadIdx.x != 0 || !g_time_phases) return;
+__device__ __forceinline__ void phase_add(LlPhase phase) {
   atomicAdd(&g_phase_ns[phase], static_cast<unsigned long long>(global_timer_ns() - block_start_ns()));
   atomicAdd(&g_phase_hits[phase], 1ull);
+}
+
+__device__ __forceinline__ void phase_stamp(LlPhase phase) {
+  if (threadIdx.x == 0 && g_time_phases) phase_add(phase);
+}
+
+// phase_stamp from lane 0 of the calling warp (a phase that a warp other than warp 0 reaches), timed from this
+// block's start as thread 0 recorded it (phase_begin runs before the block's first __syncthreads).
+__device__ __forceinline__ void phase_stamp_lane0(LlPhase phase) {
+  if ((threadIdx.x & 31u) == 0 && g_time_phases) phase_add(phase);
 }
 
 }  // namespace jax_ep::rdma
