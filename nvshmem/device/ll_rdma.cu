@@ -1,6 +1,6 @@
 // Low-latency dispatch and combine over NVSHMEM (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg of
 // docs/INTERNODE.md. per_expert mode. Every row moves in counted messages (dispatch: put_part_bytes, 8 KB by
-// default; combine: 2 KB segments) into the slot the NVLink kernels (cuda/kernels/ll_kernels.cu) store into, with
+// default; combine: 2 KB segments to direct ranks, staged rows in parts of put_part_bytes to the others) into the slot the NVLink kernels (cuda/kernels/ll_kernels.cu) store into, with
 // the same halves, epochs, state/token protocol and outputs; what differs is how data and completion travel:
 //   rows        to a remote peer (another NVLink domain, or no load/store mapping): from a local send slot of the
 //               symmetric buffer (a remote put's source must be symmetric or registered memory) with
@@ -150,7 +150,7 @@ __host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int
   return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + part_bytes - 1) / part_bytes;
 }
 
-// Bytes per counted dispatch message: 8 KB by default, so a message at H=7168 is 2 puts-with-signal bf16 (14 KB) and
+// Bytes per counted message to a remote rank, for dispatch messages and combine rows alike: 8 KB by default, so a message at H=7168 is 2 puts-with-signal bf16 (14 KB) and
 // 1 fp8 (7.2 KB), each from its own warp: K=8 destinations x 2 parts keep the block's 16 warps busy. NVSHMEM's put
 // over P2P is a copy loop of the calling warp (one 16-byte vector per lane per step), so a whole 14 KB message from
 // one warp is a chain of 29 dependent steps while half the warps idle; each counted message costs the receiver one
@@ -159,7 +159,8 @@ __host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int
 // with 16 KB, the same at T=32 and T=128; 2 KB parts (the first version) were slower than both; 4 KB parts from
 // 32-warp blocks (64 registers: spills) were no better than 16 KB. JAX_EP_LL_PUT_BYTES overrides it (a multiple of kSegBytes up to
 // 64 KB); jax_ep.initialize validates the variable and checks that every process of the job has the same value
-// (the receivers divide their counts by the parts, so ranks that differ would wait forever). Read once per process,
+// (the dispatch receivers divide their counts by the parts, so ranks that differ would wait forever; the combine's
+// receivers only wait for complete words). Read once per process,
 // for the send and the receive kernels alike; an invalid value here (initialize not called) is the default.
 constexpr int kDefaultPutPartBytes = 8192;
 
@@ -331,75 +332,98 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
   if (threadIdx.x == 0) finish_send_last(c.g, p.io, s_gate);
 }
 
-// ---- combine send: blocks (local expert l, part); a warp puts one 2 KB segment of a valid row to the token's rank,
-// slot [global expert][token] (each segment is one counted message: one warp per 14 KB row left a put latency-bound,
-// 39 us at T=128 on one H100); part 0 announces, per source rank, its valid rows x segments. To a direct rank
-// (is_direct: same NVLink domain, load/store mapping) a segment is stored straight from expert_out through
-// nvshmem_ptr with jax_ep's copy and counted with a system-scope atomic, which is what a P2P put-with-signal does
-// (the issue's "NVLink peers keep the direct-pointer path"); to the others it is staged in the send slots (a
-// remote transport's source must be symmetric or registered memory) and put with signal. ----------------------
-__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+// ---- combine send: blocks (local expert l, part); block `part` takes rows part, part + parts, ... of expert l (whole
+// rows, so the block that stages a row also puts it), in two block-wide passes:
+//   1. every warp copies 2 KB segments of the block's valid rows: to a direct rank (is_direct: same NVLink domain,
+//      load/store mapping; the issue's "NVLink peers keep the direct-pointer path") straight into its slot
+//      [global expert][token] through nvshmem_ptr, to the others into this rank's send slots (a remote transport's
+//      source must be symmetric or registered memory);
+//   2. after one __syncthreads: per direct rank, one system fence and ONE add of the segments this block stored
+//      there; to the other ranks, each staged row in parts of put_part_bytes (8 KB: 2 puts-with-signal per 14 KB
+//      row), one counted message each, spread over the warps.
+// Part 0 announces, per source rank, its valid rows x (segments per row if direct, else parts per row).
+// NOTE: the first version staged and put every 2 KB segment by itself: a GPU fence, NVSHMEM's fence and a signal
+// per segment (7 per row at H=7168), 1.41x the NVLink kernels' combine at T=128 on 2x H100; before that, one warp
+// per 14 KB row left a put latency-bound (39 us at T=128 on one H100). ------------------------------------------
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch, int part_bytes) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
   const int rows_per_expert = R * Tm, row_bytes = 2 * H;
-  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x, warp = warp_id(), nw = num_warps();
   char* self = self_base(g);
   const int64_t half = half_offset(c.ll, epoch);
   uint64_t* signal = signal_words(c, epoch) + me * L + l;  // expert e = me * L + l, at every source rank
   const int32_t* src = p.src_info + static_cast<int64_t>(l) * rows_per_expert;
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
   __shared__ int32_t s_direct[kMaxGroupRanks];
+  __shared__ uint32_t s_direct_segs[kMaxGroupRanks];  // segments this block stored at each direct rank
   if (tid == 0) source_offsets(s_off, p.layout_range + l * R, R, Tm);
   if (tid < R) {
     s_direct[tid] = is_direct(c, tid);
+    s_direct_segs[tid] = 0u;
     wait_consumed_rdma(c, tid, epoch);
   }
   __syncthreads();
   const int total = s_off[R];
   const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
+  const int nparts = (row_bytes + part_bytes - 1) / part_bytes;
   if (part == 0 && tid < R) {  // a corrupted handle's rows (token out of range) are neither sent nor counted
     uint32_t n = 0;
     for (int i = s_off[tid]; i < s_off[tid + 1]; ++i) {
       const int32_t t = __ldg(src + i);
       n += (t >= 0 && t < Tm) ? 1u : 0u;
     }
-    add_to_word(signal, announce_value(n * nseg), g.pe[tid], s_direct[tid]);
+    add_to_word(signal, announce_value(n * static_cast<uint32_t>(s_direct[tid] ? nseg : nparts)), g.pe[tid],
+                s_direct[tid]);
   }
   const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
   char* stage = self + half + c.ll.send + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
-  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
-    const int i = item / nseg, off = (item % nseg) * kSegBytes, bytes = min(kSegBytes, row_bytes - off);
+  const int my_rows = total > part ? (total - part + parts - 1) / parts : 0;
+  auto slot_at = [&](int32_t t) {
+    return self + half + c.ll.rows + (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes;
+  };
+  // 1. copies (warp-uniform skips: one item per warp)
+  for (int item = warp; item < my_rows * nseg; item += nw) {
+    const int i = part + (item / nseg) * parts, off = (item % nseg) * kSegBytes, bytes = min(kSegBytes, row_bytes - off);
     const int32_t t = __ldg(src + i);
-    if (t < 0 || t >= Tm) continue;  // warp-uniform
+    if (t < 0 || t >= Tm) continue;
     const int s = source_of_row(s_off, R, i);
     const char* from = rows + static_cast<int64_t>(i) * row_bytes + off;
-    char* dst = self + half + c.ll.rows + (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes + off;
-    if (s_direct[s]) {  // a peer with a load/store mapping: stores (read-only source: ld.nc) and a GPU atomic
-      copy_segment_nc(static_cast<char*>(nvshmem_ptr(dst, g.pe[s])), from, bytes);
-      __syncwarp();
-      if (lane_id() == 0) {
-        __threadfence_system();  // the segment lands before its count
-        add_to_word(signal, 1, g.pe[s], true);
-      }
-      __syncwarp();
-      continue;
+    if (s_direct[s]) {  // read-only source: ld.nc
+      copy_segment_nc(static_cast<char*>(nvshmem_ptr(slot_at(t) + off, g.pe[s])), from, bytes);
+      if (lane_id() == 0) atomicAdd(&s_direct_segs[s], 1u);
+    } else {
+      copy_segment_nc(stage + static_cast<int64_t>(i) * row_bytes + off, from, bytes);
     }
-    char* staged = stage + static_cast<int64_t>(i) * row_bytes + off;
-    copy_segment_nc(staged, from, bytes);
-    __threadfence();
-    __syncwarp();  // the staged segment is complete before the warp's put reads it
-    put_counted(dst, staged, bytes, signal, g.pe[s]);
+  }
+  __threadfence();  // the staged rows are complete before any warp's put reads them
+  __syncthreads();
+  // 2a. direct ranks: this block's stores land before their count (fence cumulativity over the __syncthreads)
+  if (tid < R && s_direct_segs[tid] != 0u) {
+    __threadfence_system();
+    add_to_word(signal, s_direct_segs[tid], g.pe[tid], true);
+  }
+  // 2b. the other ranks: counted puts from the staged rows
+  for (int item = warp; item < my_rows * nparts; item += nw) {
+    const int i = part + (item / nparts) * parts, off = (item % nparts) * part_bytes;
+    const int32_t t = __ldg(src + i);
+    if (t < 0 || t >= Tm) continue;
+    const int s = source_of_row(s_off, R, i);
+    if (s_direct[s]) continue;
+    put_counted(slot_at(t) + off, stage + static_cast<int64_t>(i) * row_bytes + off, min(part_bytes, row_bytes - off),
+                signal, g.pe[s]);
   }
 }
 
-__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p,
+                                                                                         int part_bytes) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
               &s_gate, consumed_words(p.c));
   __syncthreads();
-  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  if (s_gate.work) combine_send_body(p, s_gate.epoch, part_bytes);  // block-uniform
   finish_send(p.c.g, p.io, s_gate);
 }
 
@@ -453,7 +477,7 @@ const char* dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
 
 const char* combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  rdma_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p));
+  rdma_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(with_test_hook(p), put_part_bytes());
   return launch_error("low-latency combine send (NVSHMEM)");
 }
 
