@@ -46,7 +46,8 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) ll_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    ll_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
   receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, PeerWait{}); });
 }
 
@@ -87,7 +88,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) ll_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    ll_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);

@@ -1,7 +1,8 @@
 // Low-latency dispatch and combine over NVSHMEM (EPConfig.allow_nvlink_for_low_latency=False): the RDMA leg of
 // docs/INTERNODE.md. per_expert mode. Every row moves in counted messages (dispatch: put_part_bytes, 8 KB by
-// default; combine: 2 KB segments to direct ranks, staged rows in parts of put_part_bytes to the others) into the slot the NVLink kernels (cuda/kernels/ll_kernels.cu) store into, with
-// the same halves, epochs, state/token protocol and outputs; what differs is how data and completion travel:
+// default; combine: 2 KB segments to direct ranks, staged rows in parts of at most put_part_bytes to the others)
+// into the slot the NVLink kernels (cuda/kernels/ll_kernels.cu) store into, with the same halves, epochs,
+// state/token protocol and outputs; what differs is how data and completion travel:
 //   rows        to a remote peer (another NVLink domain, or no load/store mapping): from a local send slot of the
 //               symmetric buffer (a remote put's source must be symmetric or registered memory) with
 //               nvshmemx_putmem_signal_nbi_warp; to a direct peer (same NVLink domain with an nvshmem_ptr mapping,
@@ -250,8 +251,8 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   // peer, ~3.7 us at T=1 on 2x H100 when every block did it first) gates only what this block writes at the peers:
   // its puts and, in the last block, the announces. Staging a token into this rank's own send slot does not depend
   // on it, so the last warp waits while the others stage the block's first token (a row of fewer segments than the
-  // block has warps, H < 16384, leaves it no staging of its own), and the staging __syncthreads orders the wait (and s_direct) before every
-  // put. A block without a token waits after the loop: it may be the last block, whose announces last_block_all
+  // block has warps, H < 16384, leaves it no staging of its own), and the staging __syncthreads orders the wait
+  // (and s_direct) before every put. A block without a token waits after the loop: it may be the last block, whose announces last_block_all
   // orders after every block's wait.
   const bool waiter = warp_id() == num_warps() - 1;
   auto wait_peers = [&] {
@@ -339,8 +340,8 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
 //      [global expert][token] through nvshmem_ptr, to the others into this rank's send slots (a remote transport's
 //      source must be symmetric or registered memory);
 //   2. after one __syncthreads: per direct rank, one system fence and ONE add of the segments this block stored
-//      there; to the other ranks, each staged row in parts of put_part_bytes (8 KB: 2 puts-with-signal per 14 KB
-//      row), one counted message each, spread over the warps.
+//      there; to the other ranks, each staged row in parts (whole segments, at most put_part_bytes: as many as keep
+//      the warps busy, see nparts), one counted put-with-signal each, spread over the warps.
 // Part 0 announces, per source rank, its valid rows x (segments per row if direct, else parts per row).
 // NOTE: the first version staged and put every 2 KB segment by itself: a GPU fence, NVSHMEM's fence and a signal
 // per segment (7 per row at H=7168), 1.41x the NVLink kernels' combine at T=128 on 2x H100; before that, one warp
@@ -367,7 +368,12 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   __syncthreads();
   const int total = s_off[R];
   const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
-  const int nparts = (row_bytes + part_bytes - 1) / part_bytes;
+  // Puts per row to a remote rank: enough that the expert's warps (parts blocks x nw) have about one each, in whole
+  // segments, at most part_bytes each: at T=1 (one row) 2 KB parts on 7 warps, at T=128 (~7 rows per expert at
+  // EP2) 6 KB, from ~16 rows on 8 KB. Every block of the expert computes the same from `total`.
+  const int puts_wanted = max(1, (parts * nw + max(total, 1) - 1) / max(total, 1));
+  const int segs_per_put = min(max(1, part_bytes / kSegBytes), max(1, (nseg + puts_wanted - 1) / puts_wanted));
+  const int nparts = (nseg + segs_per_put - 1) / segs_per_put, put_bytes = segs_per_put * kSegBytes;
   if (part == 0 && tid < R) {  // a corrupted handle's rows (token out of range) are neither sent nor counted
     uint32_t n = 0;
     for (int i = s_off[tid]; i < s_off[tid + 1]; ++i) {
@@ -385,7 +391,8 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   };
   // 1. copies (warp-uniform skips: one item per warp)
   for (int item = warp; item < my_rows * nseg; item += nw) {
-    const int i = part + (item / nseg) * parts, off = (item % nseg) * kSegBytes, bytes = min(kSegBytes, row_bytes - off);
+    const int i = part + (item / nseg) * parts, off = (item % nseg) * kSegBytes;
+    const int bytes = min(kSegBytes, row_bytes - off);
     const int32_t t = __ldg(src + i);
     if (t < 0 || t >= Tm) continue;
     const int s = source_of_row(s_off, R, i);
@@ -406,18 +413,18 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
   // 2b. the other ranks: counted puts from the staged rows
   for (int item = warp; item < my_rows * nparts; item += nw) {
-    const int i = part + (item / nparts) * parts, off = (item % nparts) * part_bytes;
+    const int i = part + (item / nparts) * parts, off = (item % nparts) * put_bytes;
     const int32_t t = __ldg(src + i);
     if (t < 0 || t >= Tm) continue;
     const int s = source_of_row(s_off, R, i);
     if (s_direct[s]) continue;
-    put_counted(slot_at(t) + off, stage + static_cast<int64_t>(i) * row_bytes + off, min(part_bytes, row_bytes - off),
+    put_counted(slot_at(t) + off, stage + static_cast<int64_t>(i) * row_bytes + off, min(put_bytes, row_bytes - off),
                 signal, g.pe[s]);
   }
 }
 
-__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p,
-                                                                                         int part_bytes) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    rdma_combine_send_kernel(const __grid_constant__ CombineSendParams p, int part_bytes) {
   __shared__ Gate s_gate;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine (NVSHMEM)" : "low-latency combine send (NVSHMEM)",
@@ -428,8 +435,8 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_combine_sen
 }
 
 // ---- receives: the NVLink kernels' bodies with counted signals, and the NVSHMEM consumed counters. -------------
-__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p,
-                                                                       int part_bytes) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    rdma_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p, int part_bytes) {
   const RdmaWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden, part_bytes)};
   rdma_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
 }
