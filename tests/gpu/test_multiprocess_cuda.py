@@ -148,6 +148,7 @@ def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_pa
     (1, ("--ll-over-nvshmem",)),   # JAX_EP_TRANSPORT=nvshmem, one process: the rank itself is the one peer
     (2, ("--ll-over-nvshmem",)),   # allow_nvlink_for_low_latency=False: puts to the other rank
     (2, ()),                       # R=2 > num_max_nvl_peers=1: the NVSHMEM kernels by themselves (2 nodes of 1)
+    (4, ()),                       # 4 nodes of 1: L=72, so the expert kernels run several blocks per expert
 ])
 def test_low_latency_over_nvshmem_puts_matches_reference(n, flags):
     """The LL rows moved by NVSHMEM put-with-signal (nvshmem/device/ll_rdma.cu) between simulated nodes of one GPU
