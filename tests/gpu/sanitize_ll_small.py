@@ -1,4 +1,4 @@
-"""A small low-latency run for compute-sanitizer (memcheck / racecheck): one process, R = min(2, GPUs) (1 works),
+"""A small low-latency run for compute-sanitizer (memcheck / racecheck): R = every GPU (1, 2, 4 or 8),
 T=16, H=256, K=4, E=8; fp8 and bf16 dispatch, combine, the split phases and a chain threading a LowLatencyState,
 three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks recv_count against NumPy and prints 'sanitize_ll_small: OK' at the end.
 
