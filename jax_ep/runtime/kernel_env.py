@@ -4,7 +4,9 @@ The kernels read them once per process; `jax_ep.initialize` validates them here 
 puts them into the fingerprint every process of a job must agree on (agreement.py), because ranks that differ would
 not understand each other's messages.
 
-- JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu).
+- JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu),
+  and the most bytes per counted put of a combine row to a remote rank (the combine picks smaller parts when rows
+  are few).
   A multiple of 2048 from 2048 to 65536; default 8192 (at H=7168: 2 puts-with-signal per bf16 row, 1 per fp8 row,
   each from its own warp). Smaller values split a row into more counted puts (more signals, more ordering points on
   P2P and more NIC work requests); larger ones leave fewer, longer puts per warp (docs/INTERNODE.md says which
