@@ -247,13 +247,24 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
   __shared__ int32_t s_direct[kMaxGroupRanks];
-  // The consumed wait (each peer has read op n-2 from this rank's slots there: a signal fetch and a system fence per
-  // peer, ~3.7 us at T=1 on 2x H100 when every block did it first) gates only what this block writes at the peers:
-  // its puts and, in the last block, the announces. Staging a token into this rank's own send slot does not depend
-  // on it, so the last warp waits while the others stage the block's first token (a row of fewer segments than the
-  // block has warps, H < 16384, leaves it no staging of its own), and the staging __syncthreads orders the wait
-  // (and s_direct) before every put. A block without a token waits after the loop: it may be the last block, whose announces last_block_all
-  // orders after every block's wait.
+  // The consumed wait (peer d has read op n-2, the last op in this half, from this rank's writes there; ~3.7 us at
+  // T=1 on 2x H100 when every block did it first) gates what this block writes at the peers (its puts and, in the
+  // last block, the announces) and, for some peers, the staging into this rank's own send slots too:
+  //   a peer NVSHMEM reaches by load/store (device nvshmem_ptr non-null; every peer on one host, simulated nodes
+  //     included): op n-2's puts to it were copies by the issuing warps, finished reading the slots when that kernel
+  //     ended, so only the puts wait for it. The last warp waits while the others stage the block's first token (a
+  //     row of fewer segments than the block has warps, H < 16384, leaves it no staging of its own), and the staging
+  //     __syncthreads orders the wait (and s_direct) before every put;
+  //   a peer reached through a proxy or NIC (another host): op n-2's non-blocking puts from this half's slots (a
+  //     dispatch's messages or a combine's staged rows) are known to have been read only once that peer counted
+  //     op n-2 consumed (its signal arrives after the data), and no quiet ran since. So warp 0 waits for these
+  //     before token_slots' first __syncthreads, which orders it before any staging. (Review 2026-11-26: the first
+  //     version of this overlap staged before waiting for any peer.)
+  // A block without a token waits after the loop: it may be the last block, whose announces last_block_all orders
+  // after every block's wait.
+  if (warp_id() == 0 && static_cast<int>(blockIdx.x) < T)
+    for (int d = lane_id(); d < R; d += 32)
+      if (nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
   const bool waiter = warp_id() == num_warps() - 1;
   auto wait_peers = [&] {
     for (int d = lane_id(); d < R; d += 32) {

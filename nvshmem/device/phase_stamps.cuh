@@ -32,7 +32,7 @@ extern __device__ uint32_t g_time_phases;
 extern __device__ unsigned long long g_phase_ns[kLlPhases];
 extern __device__ unsigned long long g_phase_hits[kLlPhases];
 
-// This block's start, written and read by thread 0 only.
+// This block's start, written by thread 0 before the kernel's first __syncthreads, read after it.
 __device__ __forceinline__ uint64_t& block_start_ns() {
   __shared__ uint64_t start;
   return start;
