@@ -262,10 +262,10 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   //     version of this overlap staged before waiting for any peer.)
   // A block without a token waits after the loop: it may be the last block, whose announces last_block_all orders
   // after every block's wait.
-  if (warp_id() == 0 && static_cast<int>(blockIdx.x) < T)
+  if (warp == 0 && static_cast<int>(blockIdx.x) < T)
     for (int d = lane_id(); d < R; d += 32)
       if (nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
-  const bool waiter = warp_id() == num_warps() - 1;
+  const bool waiter = warp == nw - 1;
   auto wait_peers = [&] {
     for (int d = lane_id(); d < R; d += 32) {
       s_direct[d] = is_direct(c, d);
