@@ -42,6 +42,9 @@ namespace jax_ep::rdma {
 
 // The test hook's byte counter (remote_puts.cuh).
 __device__ uint32_t g_count_remote_bytes;
+// Test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 on the device (preload_kernels arms it): the dispatch send treats every
+// peer as one reached through a proxy or NIC, so its wait-before-staging path runs on one host too.
+__device__ uint32_t g_test_all_peers_remote;
 __device__ unsigned long long g_remote_bytes;
 // The phase sums of the test hook (phase_stamps.cuh).
 __device__ uint32_t g_time_phases;
@@ -277,7 +280,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   // after every block's wait.
   if (warp == 0 && static_cast<int>(blockIdx.x) < T)
     for (int d = lane_id(); d < R; d += 32)
-      if (nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
+      if (g_test_all_peers_remote || nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
   const bool waiter = warp == nw - 1;
   auto wait_peers = [&] {
     for (int d = lane_id(); d < R; d += 32) {
@@ -469,8 +472,9 @@ __global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(
 }
 
 // ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
-// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once per process for all four kernels: a
-// consumed word is written by both receive kernels, so they must never disagree on its mechanism.
+// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct; and g_test_all_peers_remote, the dispatch send's wait
+// before staging), read once per process for all four kernels: a consumed word is written by both receive kernels,
+// so they must never disagree on its mechanism.
 bool all_peers_remote() {
   static const bool value = [] {
     const char* v = std::getenv("JAX_EP_TEST_ALL_PEERS_REMOTE");
@@ -527,6 +531,8 @@ Status preload_kernels() {
   const char* v = std::getenv("JAX_EP_TEST_COUNT_REMOTE_BYTES");
   const uint32_t on = v != nullptr && std::string(v) == "1" ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_count_remote_bytes, &on, sizeof(on)));
+  const uint32_t all_remote = all_peers_remote() ? 1u : 0u;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_test_all_peers_remote, &all_remote, sizeof(all_remote)));
   const char* phases = std::getenv("JAX_EP_TEST_LL_PHASES");
   const uint32_t time_phases = phases != nullptr && std::string(phases) == "1" ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_time_phases, &time_phases, sizeof(time_phases)));
