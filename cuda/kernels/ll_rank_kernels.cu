@@ -131,7 +131,8 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
   }
 }
 
-__global__ void __launch_bounds__(kThreads) ll_rank_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    ll_rank_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
   receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
 }
 
@@ -273,8 +274,6 @@ __global__ void __launch_bounds__(kCombineRecvThreads) ll_rank_combine_recv_kern
   receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
 }
 
-int sms_of(const Ctx& c) { return c.sm_count > 0 ? c.sm_count : 132; }
-
 }  // namespace
 
 Status preload_kernels() {
@@ -285,8 +284,7 @@ Status preload_kernels() {
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
-  const int parts = std::max(1, std::min(16, (2 * sms_of(p.c) + p.c.num_local - 1) / p.c.num_local));
-  ll_rank_dispatch_recv_kernel<<<dim3(p.c.num_local, parts), kThreads, 0, stream>>>(p);
+  ll_rank_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);  // one wave, like per_expert's
   return launched("low-latency dispatch receive (per_rank)");
 }
 
@@ -294,14 +292,14 @@ Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   ll_rank_combine_push_kernel<<<1, kCombineRecvThreads, 0, stream>>>(p);
   JAX_EP_RETURN_IF_ERROR(launched("low-latency combine weight push (per_rank)"));
   const int messages = p.c.g.num_ranks * p.c.max_tokens;
-  ll_rank_combine_send_kernel<<<std::max(1, std::min(messages, 2 * sms_of(p.c))), kThreads, 0, stream>>>(p);
+  ll_rank_combine_send_kernel<<<std::max(1, std::min(messages, 2 * sm_count_or_default(p.c))), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send (per_rank)");
 }
 
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
   const int blocks = std::max(1, p.num_tokens);
-  const int parts = std::max(1, std::min(max_parts, (2 * sms_of(p.c) + blocks - 1) / blocks));
+  const int parts = std::max(1, std::min(max_parts, (2 * sm_count_or_default(p.c) + blocks - 1) / blocks));
   ll_rank_combine_recv_kernel<<<dim3(blocks, parts), kCombineRecvThreads, 0, stream>>>(p);
   return launched("low-latency combine receive (per_rank)");
 }

@@ -42,6 +42,9 @@ namespace jax_ep::rdma {
 
 // The test hook's byte counter (remote_puts.cuh).
 __device__ uint32_t g_count_remote_bytes;
+// Test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 on the device (preload_kernels arms it): the dispatch send treats every
+// peer as one reached through a proxy or NIC, so its wait-before-staging path runs on one host too.
+__device__ uint32_t g_test_all_peers_remote;
 __device__ unsigned long long g_remote_bytes;
 // The phase sums of the test hook (phase_stamps.cuh).
 __device__ uint32_t g_time_phases;
@@ -98,51 +101,64 @@ __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, co
 // Simulated nodes on one host (num_max_nvl_peers=1 on 2 GPUs) thus run the RDMA leg through the same NVSHMEM calls
 // as across hosts; the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 sets every bit, this rank's too (the only way to
 // run the remote path with one GPU).
-__device__ __forceinline__ bool is_direct(const Ctx& c, int d) {
-  return !((c.remote_ranks >> d) & 1u) && nvshmem_ptr(self_base(c.g), c.g.pe[d]) != nullptr;
+// NOTE: the host decides (xla_ffi/op_state.cc: remote_ranks has the bits of other domains and of every rank the
+// group has no pointer for, peers.base[q] being host nvshmem_ptr's answer), so the kernels read one bit instead of
+// NVSHMEM's device state per call, and reach a direct rank's copy of a symmetric address through peers.base
+// (direct_ptr: the same address nvshmem_ptr gives).
+__device__ __forceinline__ bool is_direct(const Ctx& c, int d) { return !((c.remote_ranks >> d) & 1u); }
+
+// Rank d's copy of the symmetric address `sym` of this rank's buffer, as this device addresses it (d direct).
+template <typename T>
+__device__ __forceinline__ T* direct_ptr(const Ctx& c, int d, T* sym) {
+  return reinterpret_cast<T*>(peer_base(c.g, d) + (reinterpret_cast<char*>(sym) - self_base(c.g)));
 }
 
-__device__ __forceinline__ void add_to_word(uint64_t* word_sym, uint64_t value, int pe, bool direct) {
+// value added to the word at `word_sym` of rank d, by the one mechanism of the pair.
+__device__ __forceinline__ void add_to_word(const Ctx& c, uint64_t* word_sym, uint64_t value, int d, bool direct) {
   if (direct)
-    atomicAdd_system(static_cast<unsigned long long*>(nvshmem_ptr(word_sym, pe)), static_cast<unsigned long long>(value));
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(direct_ptr(c, d, word_sym)),
+                     static_cast<unsigned long long>(value));
   else
-    nvshmemx_signal_op(word_sym, value, NVSHMEM_SIGNAL_ADD, pe);
+    nvshmemx_signal_op(word_sym, value, NVSHMEM_SIGNAL_ADD, c.g.pe[d]);
 }
 
 // One counted message from a warp: `bytes` (a multiple of 4) from `src` (global memory this kernel may have
 // written: plain loads) to `dst_sym` at `pe`, then +1 on `word_sym` there, after the bytes.
-__device__ __forceinline__ void send_counted(char* dst_sym, const char* src, int bytes, uint64_t* word_sym, int pe,
-                                             bool direct) {
+__device__ __forceinline__ void send_counted(const Ctx& c, char* dst_sym, const char* src, int bytes,
+                                             uint64_t* word_sym, int d, bool direct) {
   if (!direct) {
-    put_counted(dst_sym, src, bytes, word_sym, pe);
+    put_counted(dst_sym, src, bytes, word_sym, c.g.pe[d]);
     return;
   }
-  copy_segment_from_shared(static_cast<char*>(nvshmem_ptr(dst_sym, pe)), src, bytes);
+  copy_segment_from_shared(direct_ptr(c, d, dst_sym), src, bytes);
   __syncwarp();
   if (lane_id() == 0) {
     __threadfence_system();  // the bytes land before their count
-    add_to_word(word_sym, 1, pe, true);
+    add_to_word(c, word_sym, 1, d, true);
   }
   __syncwarp();
 }
 
 // Before op `epoch` writes into peer d's half: d has read the op two epochs back from it.
+// NOTE (ordering): acquire loads (system scope) instead of NVSHMEM's signal fetch (volatile) and a system fence:
+// d's reset of its half and its reads of op n-2 come before this thread's next accesses, and the caller's
+// __syncthreads carries that to every warp of the block before any of them writes at d (the puts are issued after
+// it in program order, so a proxy transport's too). Unmeasured guess to check: the fence is part of the ~4.6 us to
+// the wait's end at T=1 (docs/BENCHMARKS.md, 2026-11-26).
 __device__ __forceinline__ void wait_consumed_rdma(const Ctx& c, int d, uint32_t epoch) {
-  uint64_t* word = consumed_words(c) + kMaxGroupRanks * (epoch & 1u) + d;
+  const uint64_t* word = consumed_words(c) + kMaxGroupRanks * (epoch & 1u) + d;
   const uint64_t want = consumed_target(epoch);
-  if (nvshmem_signal_fetch(word) < want) {
-    const uint64_t start = global_timer_ns();
-    while (nvshmem_signal_fetch(word) < want) {
-      if (global_timer_ns() - start > c.g.timeout_ns) {
-        printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the "
-               "op two epochs back (consumed %llu, want %llu). Trapping.\n",
-               static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
-               static_cast<unsigned long long>(nvshmem_signal_fetch(word)), static_cast<unsigned long long>(want));
-        __trap();
-      }
+  if (ld_acquire_sys_u64(word) >= want) return;
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys_u64(word) < want) {
+    if (global_timer_ns() - start > c.g.timeout_ns) {
+      printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the "
+             "op two epochs back (consumed %llu, want %llu). Trapping.\n",
+             static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
+             static_cast<unsigned long long>(ld_acquire_sys_u64(word)), static_cast<unsigned long long>(want));
+      __trap();
     }
   }
-  __threadfence_system();  // acquire: d's reset of its half comes before anything this rank writes there next
 }
 
 // A dispatch message (header + payload) travels as this many counted messages of at most part_bytes each.
@@ -222,7 +238,7 @@ __device__ __forceinline__ void rdma_receive_frame(const Params& p, Body body) {
     // count.
     for (int d = threadIdx.x; d < c.g.num_ranks; d += blockDim.x) {
       __threadfence_system();
-      add_to_word(consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank, 1, c.g.pe[d], is_direct(c, d));
+      add_to_word(c, consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank, 1, d, is_direct(c, d));
     }
     phase_stamp(kPhaseRecvConsumed);  // thread 0's add done
   }
@@ -264,7 +280,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   // after every block's wait.
   if (warp == 0 && static_cast<int>(blockIdx.x) < T)
     for (int d = lane_id(); d < R; d += 32)
-      if (nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
+      if (g_test_all_peers_remote || nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_rdma(c, d, epoch);
   const bool waiter = warp == nw - 1;
   auto wait_peers = [&] {
     for (int d = lane_id(); d < R; d += 32) {
@@ -304,7 +320,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
       if (dest < 0) continue;
       const int l = dest % L, d = dest / L;
       char* dst = self + half + c.ll.rows + (static_cast<int64_t>(l * R + me) * Tm + s_pos[k]) * c.ll.msg_stride;
-      send_counted(dst + off, slot + off, min(part_bytes, msg_bytes - off), signals + l * R + me, g.pe[d],
+      send_counted(c, dst + off, slot + off, min(part_bytes, msg_bytes - off), signals + l * R + me, d,
                    s_direct[d]);
     }
     __syncthreads();  // s_dest / s_pos are reused by the next token
@@ -335,8 +351,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
     for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
       const uint32_t n = atomicExch(counts + dest, 0u);
       const int d = dest / L;
-      add_to_word(signals + (dest % L) * R + c.g.rank, announce_value(n * parts), c.g.pe[d],
-                  is_direct(c, d));
+      add_to_word(c, signals + (dest % L) * R + c.g.rank, announce_value(n * parts), d, is_direct(c, d));
     }
   }
   __syncthreads();
@@ -391,7 +406,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
       const int32_t t = __ldg(src + i);
       n += (t >= 0 && t < Tm) ? 1u : 0u;
     }
-    add_to_word(signal, announce_value(n * static_cast<uint32_t>(s_direct[tid] ? nseg : nparts)), g.pe[tid],
+    add_to_word(c, signal, announce_value(n * static_cast<uint32_t>(s_direct[tid] ? nseg : nparts)), tid,
                 s_direct[tid]);
   }
   const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
@@ -409,7 +424,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     const int s = source_of_row(s_off, R, i);
     const char* from = rows + static_cast<int64_t>(i) * row_bytes + off;
     if (s_direct[s]) {  // read-only source: ld.nc
-      copy_segment_nc(static_cast<char*>(nvshmem_ptr(slot_at(t) + off, g.pe[s])), from, bytes);
+      copy_segment_nc(direct_ptr(c, s, slot_at(t) + off), from, bytes);
       if (lane_id() == 0) atomicAdd(&s_direct_segs[s], 1u);
     } else {
       copy_segment_nc(stage + static_cast<int64_t>(i) * row_bytes + off, from, bytes);
@@ -420,7 +435,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   // 2a. direct ranks: this block's stores land before their count (fence cumulativity over the __syncthreads)
   if (tid < R && s_direct_segs[tid] != 0u) {
     __threadfence_system();
-    add_to_word(signal, s_direct_segs[tid], g.pe[tid], true);
+    add_to_word(c, signal, s_direct_segs[tid], tid, true);
   }
   // 2b. the other ranks: counted puts from the staged rows
   for (int item = warp; item < my_rows * nparts; item += nw) {
@@ -457,8 +472,9 @@ __global__ void __launch_bounds__(kCombineRecvThreads) rdma_combine_recv_kernel(
 }
 
 // ---- launchers (the LowLatencyRdmaOps entries) ------------------------------------------------------------------
-// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct), read once per process for all four kernels: a
-// consumed word is written by both receive kernels, so they must never disagree on its mechanism.
+// The test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 (is_direct; and g_test_all_peers_remote, the dispatch send's wait
+// before staging), read once per process for all four kernels: a consumed word is written by both receive kernels,
+// so they must never disagree on its mechanism.
 bool all_peers_remote() {
   static const bool value = [] {
     const char* v = std::getenv("JAX_EP_TEST_ALL_PEERS_REMOTE");
@@ -515,6 +531,8 @@ Status preload_kernels() {
   const char* v = std::getenv("JAX_EP_TEST_COUNT_REMOTE_BYTES");
   const uint32_t on = v != nullptr && std::string(v) == "1" ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_count_remote_bytes, &on, sizeof(on)));
+  const uint32_t all_remote = all_peers_remote() ? 1u : 0u;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_test_all_peers_remote, &all_remote, sizeof(all_remote)));
   const char* phases = std::getenv("JAX_EP_TEST_LL_PHASES");
   const uint32_t time_phases = phases != nullptr && std::string(phases) == "1" ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_time_phases, &time_phases, sizeof(time_phases)));
