@@ -7,7 +7,8 @@
 #   SAN_TOOLS="memcheck"  sanitizer tools at n=N (default memcheck racecheck, plus memcheck at n=1 all-remote)
 #   SUITE_FILES="..."  the suite's test files (default tests/test_native_build.py tests/gpu/test_*.py)
 #   SAN_SCRIPTS="ll normal"  which small programs run under the sanitizer (sanitize_ll_small / _normal_small)
-#   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1)
+#   N=2             processes / GPUs for the sanitizer and bench runs (2 nodes of 1 with --nvl 1); N > 2: one
+#                   sanitizer per process (scripts/gpu_sanitize_per_launcher.sh)
 #   LL_TOKENS=...   low-latency token counts of the bench (default 1,32,128); TOKENS: normal mode's (default 4096)
 #   BENCH_MODES="low_latency normal"  the bench's modes
 #   SAN_KERNELS=kns=rdma_  compute-sanitizer's --kernel-name filter of every sanitizer run ("" = every kernel: the
@@ -39,8 +40,13 @@ if has sanitize; then
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     for script in ${SAN_SCRIPTS:-ll normal}; do
       [ "$script" = ll ] && prog=(tests/gpu/sanitize_ll_small.py nvshmem) || prog=(tests/gpu/sanitize_normal_small.py)
-      run "san_${tool}_${script}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool \
-        --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
+      if [ "$N" -gt 2 ]; then  # one sanitizer following N > 2 children segfaulted (rc 139, N=4): one per process
+        run "san_${tool}_${script}_n${N}" 170 env TOOL=$tool N="$N" KERNELS="$SAN_KERNELS" PROG="${prog[*]}" \
+          bash scripts/gpu_sanitize_per_launcher.sh
+      else
+        run "san_${tool}_${script}_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem compute-sanitizer --tool $tool \
+          --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 "${prog[@]}"
+      fi
     done
   done
   # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N (test hook JAX_EP_TEST_WIDE_SEND)

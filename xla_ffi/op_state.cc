@@ -194,6 +194,8 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->ll.sm_count = rg.view.sm_count;
   // Remote: other NVLink domains, and any rank the group has no pointer for (initialize refuses those inside the
   // domain; this keeps the kernels and the registry on one answer whatever nvshmem_ptr says on the device).
+  // INVARIANT the NVSHMEM LL kernels rely on: a clear bit implies peers.base[q] != nullptr (their direct_ptr adds
+  // an offset to it). Set remote_ranks here only.
   out->ll.remote_ranks = 0u;
   if (c.rdma) {
     out->ll.remote_ranks = ll::remote_ranks(rg.view.rank, R, c.nvl_domain);

@@ -95,7 +95,7 @@ __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, co
 // signal op goes through the proxy or the NIC, for NVLink peers and this PE too. A NIC atomic is not atomic with a
 // GPU atomic on the same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer of
 // this rank's NVLink domain (c.remote_ranks bit clear: r / nvl_domain equal, EPConfig.low_latency_nvl_domain) with
-// a load/store mapping (nvshmem_ptr non-null) is "direct": stores through that pointer and system-scope GPU atomics
+// a load/store mapping (host nvshmem_ptr non-null, peers.base) is "direct": stores through that pointer and system-scope GPU atomics
 // for every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only. Both
 // ends of a pair compute the same answer (the domains are symmetric; nvshmem_ptr is non-null both ways on one host).
 // Simulated nodes on one host (num_max_nvl_peers=1 on 2 GPUs) thus run the RDMA leg through the same NVSHMEM calls
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_dispatch_send_kernel(const 
 // rows, so the block that stages a row also puts it), in two block-wide passes:
 //   1. every warp copies 2 KB segments of the block's valid rows: to a direct rank (is_direct: same NVLink domain,
 //      load/store mapping; the issue's "NVLink peers keep the direct-pointer path") straight into its slot
-//      [global expert][token] through nvshmem_ptr, to the others into this rank's send slots (a remote transport's
+//      [global expert][token] through direct_ptr, to the others into this rank's send slots (a remote transport's
 //      source must be symmetric or registered memory);
 //   2. after one __syncthreads: per direct rank, one system fence and ONE add of the segments this block stored
 //      there; to the other ranks, each staged row in parts (whole segments, at most put_part_bytes: as many as keep
