@@ -50,9 +50,16 @@ if has sanitize; then
     done
   done
   # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N (test hook JAX_EP_TEST_WIDE_SEND)
-  [[ " ${SAN_SCRIPTS:-ll normal} " == *" normal "* ]] && run "san_memcheck_normal_wide_n${N}" 120 env \
-    JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_WIDE_SEND=1 compute-sanitizer --tool memcheck --report-api-errors no \
-    "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 tests/gpu/sanitize_normal_small.py
+  if [[ " ${SAN_SCRIPTS:-ll normal} " == *" normal "* ]]; then
+    if [ "$N" -gt 2 ]; then
+      run "san_memcheck_normal_wide_n${N}" 170 env JAX_EP_TEST_WIDE_SEND=1 TOOL=memcheck N="$N" \
+        KERNELS="$SAN_KERNELS" PROG=tests/gpu/sanitize_normal_small.py bash scripts/gpu_sanitize_per_launcher.sh
+    else
+      run "san_memcheck_normal_wide_n${N}" 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_WIDE_SEND=1 compute-sanitizer \
+        --tool memcheck --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n "$N" --timeout 110 \
+        tests/gpu/sanitize_normal_small.py
+    fi
+  fi
   [ -n "${SAN_TOOLS:-}" ] || run san_memcheck_n1_allremote 120 env JAX_EP_TRANSPORT=nvshmem JAX_EP_TEST_ALL_PEERS_REMOTE=1 compute-sanitizer \
     --tool memcheck --report-api-errors no "${kfilter[@]}" python3 -m jax_ep.launch -n 1 --timeout 110 \
     tests/gpu/sanitize_ll_small.py nvshmem

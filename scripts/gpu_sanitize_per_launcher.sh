@@ -22,7 +22,7 @@ for h in $(seq $((N - 1)) -1 0); do  # host 0 (the coordinator) last, as the two
 done
 rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 for h in $(seq 0 $((N - 1))); do
-  echo "h$h: $(grep -E 'SUMMARY|: OK|Error|error:' "$OUT/san_${TOOL}_h$h.log" | grep -vE 'GRPC|grpc' | tail -2 | tr '\n' ' ')"
+  echo "h$h: $(grep -E 'SUMMARY|: OK$|Trapping|Segmentation|Traceback' "$OUT/san_${TOOL}_h$h.log" | tail -2 | tr '\n' ' ')"
 done
 echo "san per launcher $TOOL N=$N rc=$rc"
 exit $rc
