@@ -2,7 +2,8 @@
 
 import math
 
-from jax_ep.bench.chain_gaps import _phase_reader, device_ops, gap_report, phase_table, short_name
+from jax_ep.bench.__main__ import parse_args
+from jax_ep.bench.chain_gaps import _phase_reader, device_ops, gap_report, phase_table, short_name, sweeps_of
 
 
 def _ev(name, ts, dur, pid=1):
@@ -44,3 +45,24 @@ def test_phase_table_means_per_stamp_and_skips_unstamped_phases():
 def test_phase_reader_is_off_without_the_variable(monkeypatch):
     monkeypatch.delenv("JAX_EP_TEST_LL_PHASES", raising=False)
     assert _phase_reader() is None
+
+
+def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
+    # a forwarded dispatch call: notify, send rows, wait, forward, wait, copy-out; period = send-rows to send-rows
+    call = [("rdma_notify_kernel", 0, 5), ("rdma_send_rows_kernel<8>", 6, 50), ("rdma_wait_data_kernel", 57, 2),
+            ("rdma_forward_kernel", 60, 30), ("rdma_wait_data_kernel", 91, 2), ("recv_copy_kernel", 94, 20)]
+    ops = [_ev(f"void jax_ep::rdma::{n}(P)", ts + 120 * i, d) for i in range(3) for n, ts, d in call]
+    _, _, period = gap_report(ops)
+    assert period == 120
+    combine = [_ev("rdma_combine_send_kernel(P)", 0, 40), _ev("rdma_combine_forward_kernel<bf16>(P)", 45, 30),
+               _ev("rdma_combine_send_kernel(P)", 100, 40)]
+    assert gap_report(combine)[2] == 100
+
+
+def test_sweeps_are_low_latency_unless_the_mode_is_given():
+    argv = ["--tokens", "64", "--ll-tokens", "1,8"]
+    assert [s[:2] for s in sweeps_of(parse_args(argv, False), argv)] == [("low_latency", 1), ("low_latency", 8)]
+    argv2 = argv + ["--mode", "normal"]
+    assert [s[:2] for s in sweeps_of(parse_args(argv2, False), argv2)] == [("normal", 64)]
+    argv3 = argv + ["--mode=all"]
+    assert [s[0] for s in sweeps_of(parse_args(argv3, False), argv3)] == ["normal", "low_latency", "low_latency"]

@@ -2,9 +2,11 @@
 device operation's duration and the idle gaps between consecutive operations on this process's GPU.
 
     python -m jax_ep.launch -n 2 -m jax_ep.bench.chain_gaps --ll-tokens 1 --only "dispatch bf16" --nvl 1
+    python -m jax_ep.launch -n 4 -m jax_ep.bench.chain_gaps --mode normal --tokens 4096 --only jax_ep --nvl 2
 
-Takes the bench's arguments (python -m jax_ep.bench --help; low-latency contenders of jax_ep only, --calls calls per
-loop). For each contender it prints the loop's period per call (from consecutive dispatch/combine send kernels),
+Takes the bench's arguments (python -m jax_ep.bench --help; jax_ep's contenders only, --calls calls per loop); the
+low-latency ones unless --mode is given (normal or all). For each contender it prints the loop's period per call
+(from consecutive send kernels: one per call, the LL send kernels, normal mode's send-rows or combine-send kernel),
 then per operation (name up to its first '(' or '<'): launches, median duration; and per pair of consecutive
 operations: the median gap between the first one's end and the second one's start. A period well above the sum of
 the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
@@ -48,9 +50,27 @@ def gap_report(ops) -> tuple[dict, dict, float]:
         gaps.setdefault((a, b), []).append(max(0.0, nxt["ts"] - (prev["ts"] + prev["dur"])))
     for ev in mine:
         durs.setdefault(short_name(ev.get("name", "")), []).append(float(ev["dur"]))
-    sends = [ev["ts"] for ev in mine if "send_kernel" in ev.get("name", "")]
+    sends = [ev["ts"] for ev in mine if _SEND.search(ev.get("name", ""))]
     periods = [b - a for a, b in zip(sends, sends[1:])]
     return durs, gaps, statistics.median(periods) if periods else float("nan")
+
+
+# The one kernel per call that starts its data movement: LL dispatch / combine send kernels, normal mode's
+# (rdma_)send_rows_kernel and (rdma_)combine_send_kernel (not the forwarders, which run after them).
+_SEND = re.compile(r"send(_rows)?_kernel")
+
+
+def sweeps_of(args, argv) -> list:
+    """The (mode, tokens, experts, ll_mode) sweeps to trace: low latency unless --mode was given on the command line
+    (the bench's default, "all", would add normal mode to the documented low-latency commands)."""
+    given = any(a == "--mode" or a.startswith("--mode=") for a in argv)
+    mode = args.mode if given else "low_latency"
+    out = []
+    if mode in ("normal", "all"):
+        out += [("normal", t, args.experts, "per_expert") for t in args.tokens]
+    if mode in ("low_latency", "all"):
+        out += [("low_latency", t, args.ll_experts, m) for t in args.ll_tokens for m in args.ll_modes]
+    return out
 
 
 def phase_table(rows) -> list:
@@ -80,7 +100,7 @@ def main(argv=None) -> int:
     from jax_ep.launch import init_from_env
 
     from .__main__ import _initialize_all, parse_args
-    from .contenders import low_latency_contenders
+    from .contenders import low_latency_contenders, normal_contenders
     from .harness import chained_loop, to_global
     from .kernel_times import trace_events
     from .timeline import _names
@@ -96,13 +116,18 @@ def main(argv=None) -> int:
     import numpy as np
 
     devices = gpus[: args.ranks]
-    sweeps = [("low_latency", t, args.ll_experts, m) for t in args.ll_tokens for m in args.ll_modes]
+    sweeps = sweeps_of(args, sys.argv[1:] if argv is None else argv)
     _initialize_all(sweeps, args, devices)
     only = [s for s in args.only.split(",") if s]
     rng = np.random.default_rng(args.seed)
-    for _, tokens, experts, ll_mode in sweeps:
-        cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
-                                       num_sms=args.num_sms, with_ragged=False, ll_mode=ll_mode, nvl=args.nvl)
+    for mode, tokens, experts, ll_mode in sweeps:
+        if mode == "normal":
+            cases = normal_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
+                                      num_sms=args.num_sms, with_ragged=False, nvl=args.nvl)
+        else:
+            cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
+                                           backend=args.backend, num_sms=args.num_sms, with_ragged=False,
+                                           ll_mode=ll_mode, nvl=args.nvl)
         for case in cases:
             if case.kind != "jax_ep" or (only and not any(s in case.name for s in only)):
                 continue
@@ -111,14 +136,14 @@ def main(argv=None) -> int:
             events = trace_events(loop, cargs, iterations=3)
             procs, _ = _names(events)
             durs, gaps, period = gap_report(device_ops(events, procs))
-            print(f"\n[T={tokens} nvl={args.nvl}] {case.name}: period {period:.1f} us per call (send to send)")
+            print(f"\n[{mode} T={tokens} nvl={args.nvl}] {case.name}: period {period:.1f} us per call (send to send)")
             print("| operation | launches | median us |")
             for name, v in sorted(durs.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
                 print(f"| {name} | {len(v)} | {statistics.median(v):.1f} |")
             print("| gap after | before | count | median us | max us |")
             for (a, b), v in sorted(gaps.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
                 print(f"| {a} | {b} | {len(v)} | {statistics.median(v):.1f} | {max(v):.1f} |")
-            read_phases = _phase_reader()
+            read_phases = _phase_reader() if mode == "low_latency" else None  # stamps: the LL kernels only
             if read_phases is not None:  # untraced loops: the stamps of this contender only
                 try:
                     read_phases(True)
