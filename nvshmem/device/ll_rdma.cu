@@ -90,17 +90,17 @@ __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, co
 }
 
 // ---- one mechanism per counted word ------------------------------------------------------------------------------
-// NVSHMEM turns a signal ADD into a GPU atomic through the P2P pointer only when the whole JOB is load/store
-// connected (nvshmemi_device_state_d.job_connectivity <= NVSHMEMI_JOB_GPU_LDST); in a job with any remote PE every
-// signal op goes through the proxy or the NIC, for NVLink peers and this PE too. A NIC atomic is not atomic with a
-// GPU atomic on the same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer of
-// this rank's NVLink domain (c.remote_ranks bit clear: r / nvl_domain equal, EPConfig.low_latency_nvl_domain) with
-// a load/store mapping (host nvshmem_ptr non-null, peers.base) is "direct": stores through that pointer and system-scope GPU atomics
-// for every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only. Both
-// ends of a pair compute the same answer (the domains are symmetric; nvshmem_ptr is non-null both ways on one host).
-// Simulated nodes on one host (num_max_nvl_peers=1 on 2 GPUs) thus run the RDMA leg through the same NVSHMEM calls
-// as across hosts; the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 sets every bit, this rank's too (the only way to
-// run the remote path with one GPU).
+// NVSHMEM turns a signal ADD into a GPU atomic through the P2P pointer only when the whole JOB is load/store connected
+// (nvshmemi_device_state_d.job_connectivity <= NVSHMEMI_JOB_GPU_LDST); in a job with any remote PE every signal op goes
+// through the proxy or the NIC, for NVLink peers and this PE too. A NIC atomic is not atomic with a GPU atomic on the
+// same word. So each word has one mechanism, decided by the pair (sender, receiver): a peer of this rank's NVLink
+// domain (c.remote_ranks bit clear: r / nvl_domain equal, EPConfig.low_latency_nvl_domain) with a load/store mapping
+// (host nvshmem_ptr non-null, peers.base) is "direct": stores through that pointer and system-scope GPU atomics for
+// every ADD (messages, announces, consumed counts); any other peer gets NVSHMEM puts and signal ops only. Both ends of
+// a pair compute the same answer (the domains are symmetric; nvshmem_ptr is non-null both ways on one host). Simulated
+// nodes on one host (num_max_nvl_peers=1 on 2 GPUs) thus run the RDMA leg through the same NVSHMEM calls as across
+// hosts; the test hook JAX_EP_TEST_ALL_PEERS_REMOTE=1 sets every bit, this rank's too (the only way to run the remote
+// path with one GPU).
 // NOTE: the host decides (xla_ffi/op_state.cc: remote_ranks has the bits of other domains and of every rank the
 // group has no pointer for, peers.base[q] being host nvshmem_ptr's answer), so the kernels read one bit instead of
 // NVSHMEM's device state per call, and reach a direct rank's copy of a symmetric address through peers.base
@@ -167,18 +167,19 @@ __host__ __device__ __forceinline__ int dispatch_message_parts(bool use_fp8, int
   return (static_cast<int>(kLowLatencyMsgHeader) + payload_bytes + part_bytes - 1) / part_bytes;
 }
 
-// Bytes per counted message to a remote rank, for dispatch messages and combine rows alike: 8 KB by default, so a message at H=7168 is 2 puts-with-signal bf16 (14 KB) and
-// 1 fp8 (7.2 KB), each from its own warp: K=8 destinations x 2 parts keep the block's 16 warps busy. NVSHMEM's put
-// over P2P is a copy loop of the calling warp (one 16-byte vector per lane per step), so a whole 14 KB message from
-// one warp is a chain of 29 dependent steps while half the warps idle; each counted message costs the receiver one
-// signal ADD and the sender one system-scope ordering point on P2P. Measured on 2x H100 (docs/BENCHMARKS.md,
-// 2026-11-25, 100-call loops, the same call): bf16 dispatch at T=1 1.36x the NVLink kernels' time with 8 KB, 1.46x
-// with 16 KB, the same at T=32 and T=128; 2 KB parts (the first version) were slower than both; 4 KB parts from
-// 32-warp blocks (64 registers: spills) were no better than 16 KB. JAX_EP_LL_PUT_BYTES overrides it (a multiple of kSegBytes up to
-// 64 KB); jax_ep.initialize validates the variable and checks that every process of the job has the same value
-// (the dispatch receivers divide their counts by the parts, so ranks that differ would wait forever; the combine's
-// receivers only wait for complete words). Read once per process,
-// for the send and the receive kernels alike; an invalid value here (initialize not called) is the default.
+// Bytes per counted message to a remote rank, for dispatch messages and combine rows alike: 8 KB by default, so a
+// message at H=7168 is 2 puts-with-signal bf16 (14 KB) and 1 fp8 (7.2 KB), each from its own warp: K=8 destinations x 2
+// parts keep the block's 16 warps busy. NVSHMEM's put over P2P is a copy loop of the calling warp (one 16-byte vector
+// per lane per step), so a whole 14 KB message from one warp is a chain of 29 dependent steps while half the warps
+// idle; each counted message costs the receiver one signal ADD and the sender one system-scope ordering point on P2P.
+// Measured on 2x H100 (docs/BENCHMARKS.md, 2026-11-25, 100-call loops, the same call): bf16 dispatch at T=1 1.36x the
+// NVLink kernels' time with 8 KB, 1.46x with 16 KB, the same at T=32 and T=128; 2 KB parts (the first version) were
+// slower than both; 4 KB parts from 32-warp blocks (64 registers: spills) were no better than 16 KB; on 4x H200
+// (2026-11-26, same method) 4 KB parts were no better than 8 KB for fp8 messages either. JAX_EP_LL_PUT_BYTES overrides
+// it (a multiple of kSegBytes up to 64 KB); jax_ep.initialize validates the variable and checks that every process of
+// the job has the same value (the dispatch receivers divide their counts by the parts, so ranks that differ would wait
+// forever; the combine's receivers only wait for complete words). Read once per process, for the send and the receive
+// kernels alike; an invalid value here (initialize not called) is the default.
 constexpr int kDefaultPutPartBytes = 8192;
 
 int put_part_bytes() {
