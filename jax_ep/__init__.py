@@ -2,7 +2,8 @@
 
 Ops run inside `jax.shard_map` over `EPConfig.axis_name`; see README.md, docs/API.md and docs/SPEC.md.
 Layers (docs/ARCHITECTURE.md): this package's top level is the public API (config, ops_normal, ops_low_latency,
-handle, low_latency_state); backends/ runs the ops; runtime/ sets up transports; launch/ starts processes.
+handle, low_latency_state, warmup_programs: `initialize` = runtime setup + one run of the ops); backends/ runs the
+ops; runtime/ sets up transports; launch/ starts processes.
 """
 
 from . import fp8
