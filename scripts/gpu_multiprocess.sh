@@ -26,7 +26,7 @@ elif [[ " $STEPS " == *" build "* ]]; then
   grep -E "^jax_ep:|-- jax_ep:" "$OUT/build.log" | tee -a "$S"
   cp build/cp3*/_jax_ep_native*.so build/cp3*/_jax_ep_nvshmem*.so "$OUT/" 2>/dev/null
 fi
-python3 -c "import jax_ep._native as n, jax_ep.nvshmem_runtime as m; print('native', n.available(), n.load_error()); print('nvshmem', m.availability(), m.module().header_version())" 2>&1 | tee -a "$S"
+python3 -c "import jax_ep._native as n, jax_ep.runtime.nvshmem as m; print('native', n.available(), n.load_error()); print('nvshmem', m.availability())" 2>&1 | tee -a "$S"
 
 if [[ " $STEPS " == *" tests "* ]]; then
   run mp_tests 220 python3 -m pytest -p no:cacheprovider -q -rs -s tests/gpu/test_multiprocess_cuda.py ${PYTEST_K:+-k "$PYTEST_K"}
