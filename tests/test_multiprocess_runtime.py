@@ -249,6 +249,7 @@ def test_same_setup_agrees_and_reinitializes():
     ("hidden", "configs[0].hidden: 128 on process [0], 256 on process [1]"),
     ("mesh", "mesh.axis_names[0]: 'ep' on process [0], 'other' on process [1]"),
     ("put_bytes", "kernel_env.JAX_EP_LL_PUT_BYTES: 8192 on process [0], 4096 on process [1]"),
+    ("warmup_ops", "warmup_ops: True on process [0], False on process [1]"),
 ])
 def test_mismatched_setup_is_an_error_naming_it(case, field):
     p, lines = _launch(case)

@@ -53,6 +53,9 @@ def parse_args(argv, on_gpu):
                    help="EPConfig.num_max_nvl_peers; below the EP size the low-latency ops run the NVSHMEM kernels "
                         "with NVSHMEM puts between the simulated nodes (one process per GPU; docs/INTERNODE.md)")
     p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    p.add_argument("--no-warmup-ops", action="store_true",
+                   help="jax_ep.initialize(..., warmup_ops=False): no warm-up execution of the ops before the first call "
+                        "(to see what it buys in the 'first call / steady' column)")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots")
     p.add_argument("--seed", type=int, default=0)
@@ -149,7 +152,7 @@ def _initialize_all(sweeps, args, devices):
     configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode, args.nvl)
                for _, tokens, experts, ll_mode in sweeps]
     if configs:
-        jax_ep.initialize(bench_mesh(devices), *configs)
+        jax_ep.initialize(bench_mesh(devices), *configs, warmup_ops=not args.no_warmup_ops)
 
 
 def low_latency_phases(devices, args, rng):

@@ -50,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--calls", type=int, default=20, help="executions for the steady-state median")
     ap.add_argument("--num-sms", type=int, default=24)
+    ap.add_argument("--no-warmup-ops", action="store_true",
+                    help="eager mode: jax_ep.initialize(..., warmup_ops=False), no warm-up execution of the ops")
     a = ap.parse_args(argv)
 
     from jax_ep.launch import init_from_env
@@ -111,11 +113,12 @@ def main(argv=None):
     if a.mode == "lazy":
         # trace-time initialize extends a runtime on the program's mesh (jax_ep never guesses devices): start from a
         # runtime for another config, so the config of `prog` is added (buffers, peer access) while it is traced
-        jax_ep.initialize(mesh, jax_ep.EPConfig(E, H, K, min(T, 16), backend="cuda", num_sms=a.num_sms))
+        jax_ep.initialize(mesh, jax_ep.EPConfig(E, H, K, min(T, 16), backend="cuda", num_sms=a.num_sms),
+                          warmup_ops=False)
         sync("lazy_runtime")
     if a.mode == "eager":
         t = time.perf_counter()
-        rt = jax_ep.initialize(mesh, cfg)
+        rt = jax_ep.initialize(mesh, cfg, warmup_ops=not a.no_warmup_ops)
         row["initialize_s"] = slowest(time.perf_counter() - t)
         row["initialize_steps_ms"] = {k: round(v * 1e3, 2) for k, v in rt.timings.items()}
         sync("initialized")
@@ -144,6 +147,8 @@ def main(argv=None):
     row["second_call_s"] = slowest(times[1])
     row["steady_s"] = slowest(statistics.median(times[2:]))
     row["env"] = {k: os.environ[k] for k in ("CUDA_MODULE_LOADING", "XLA_FLAGS") if os.environ.get(k)}
+    if a.mode == "eager":
+        row["env"]["warmup_ops"] = not a.no_warmup_ops
     row["first_over_steady"] = row["first_call_s"] / row["steady_s"]
     if pid == 0:
         print(f"PREWARM {json.dumps(row)}", flush=True)

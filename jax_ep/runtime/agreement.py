@@ -135,6 +135,13 @@ def next_generation() -> int:
         return _generation[0]
 
 
+def current_generation() -> int:
+    """The generation of this process's latest multi-process initialize (0 before any): keys of a later step of
+    that same initialize (the API level's warm-up agreement) go under it."""
+    with _generation_lock:
+        return _generation[0]
+
+
 def timeout_of(configs) -> float:
     return max(float(c.timeout_seconds) for c in configs)
 

@@ -4,6 +4,7 @@
 --case hidden    process 1 passes another hidden size: every process gets an EPError naming configs[0].hidden
 --case mesh      process 1 builds its mesh with another axis name: the error names the mesh axis names
 --case put_bytes process 1 sets JAX_EP_LL_PUT_BYTES=4096 (kernel variable): the error names the variable
+--case warmup_ops process 1 passes warmup_ops=False: the error names warmup_ops (after the setup agreed)
 --case absent    process 1 never calls initialize: process 0 gets an EPError after EPConfig.timeout_seconds
 Prints `RESULT <case> process=<i> ok|error=<message> seconds=<s>` and exits 0 (the test reads the lines).
 """
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--case", required=True, choices=["same", "hidden", "mesh", "put_bytes", "absent"])
+ap.add_argument("--case", required=True, choices=["same", "hidden", "mesh", "put_bytes", "warmup_ops", "absent"])
 a = ap.parse_args()
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 1)
@@ -46,7 +47,7 @@ if a.case == "absent" and pid == 1:
     print(f"RESULT absent process={pid} ok (did not initialize) seconds={time.monotonic() - t0:.2f}", flush=True)
     sys.exit(0)
 try:
-    rt = jax_ep.initialize(mesh, cfg)
+    rt = jax_ep.initialize(mesh, cfg, warmup_ops=not (a.case == "warmup_ops" and pid == 1))
     assert rt.process_model == "multi-process" and "agree" in rt.timings, rt
     if a.case == "same":
         jax_ep.finalize()

@@ -68,7 +68,7 @@ def configs(hidden=H):
 
 cfgs = configs()
 t0 = time.perf_counter()
-rt = jax_ep.initialize(mesh, *cfgs.values())
+rt = jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=not a.teams_only)  # --teams-only: no ops at all
 init_s = time.perf_counter() - t0
 # one process per GPU: several processes, or one with JAX_EP_TRANSPORT=nvshmem (the same NVSHMEM path on one GPU)
 per_gpu = nproc > 1 or os.environ.get("JAX_EP_TRANSPORT", "").strip().lower() == "nvshmem"
