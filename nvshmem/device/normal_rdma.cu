@@ -477,6 +477,7 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_send_kernel(const _
 // cleared at the barrier), the f32 sum of the contributed rows in local-index order cast to the values' dtype, and the
 // f32 sum of their weights, staged in the send area and put into the fwd_rows / fwd_meta slot [this node][t] of the source (n, this local index). One
 // warp per (n, t); the last block announces to the sources of this local index.
+constexpr int kForwardUnroll = 4;  // 16-byte vectors per lane in flight in the forwarder's sums
 template <typename Elem>
 __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(const __grid_constant__ CombineParams p) {
   using Pk = Pack<Elem>;
@@ -496,18 +497,31 @@ __global__ void __launch_bounds__(kSendThreads) rdma_combine_forward_kernel(cons
     if (mask == 0u) continue;  // no rank of this node kept token t of source (n, my local index)
     // the partial is staged and sent in the values' dtype (bf16: 2H bytes per (token, node) over RDMA, like the
     // rows it replaces; the f32 sum is rounded once here and once more at the source, SPEC's tolerance)
+    // kForwardUnroll vectors per lane in flight per contributor (one at a time left the warp waiting on each load:
+    // the kernel was latency-bound); each element's sum keeps the local-index order.
     int4* part = reinterpret_cast<int4*>(self + B.send_rows + fslot * B.payload_stride);
-    for (int v = lane; v < n16; v += 32) {
-      float acc[Pk::kN];
+    for (int base = lane; base < n16; base += 32 * kForwardUnroll) {
+      float acc[kForwardUnroll][Pk::kN];
 #pragma unroll
-      for (int e = 0; e < Pk::kN; ++e) acc[e] = 0.0f;
+      for (int u = 0; u < kForwardUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < Pk::kN; ++e) acc[u][e] = 0.0f;
+      }
       for (uint32_t m = mask; m != 0u; m &= m - 1u) {
         const int i = __ffs(m) - 1;
         const int4* src = reinterpret_cast<const int4*>(
             self + B.payload + ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * p.row_bytes);
-        Pk::add(acc, ld_cg_v4(src + v));
+        int4 v[kForwardUnroll];
+#pragma unroll
+        for (int u = 0; u < kForwardUnroll; ++u)
+          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kForwardUnroll; ++u)
+          if (base + 32 * u < n16) Pk::add(acc[u], v[u]);
       }
-      part[v] = Pk::pack(acc);
+#pragma unroll
+      for (int u = 0; u < kForwardUnroll; ++u)
+        if (base + 32 * u < n16) part[base + 32 * u] = Pk::pack(acc[u]);
     }
     float* s_w = reinterpret_cast<float*>(self + B.send_weights) + fslot * Kw;
     if (lane < Kw) {
