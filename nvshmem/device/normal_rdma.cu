@@ -239,9 +239,10 @@ __device__ __forceinline__ void finish_and_announce(const GroupCtx& g, uint32_t 
 }
 
 // Work item `item` of a forwarder's grid-stride loop over (other node, token) pairs: node n != my_node, token t.
-// The items enumerate only the other nodes. (A loop over every node that skipped this node's items left half the
-// warps idle at 2 nodes: with an even warp count, warp w only ever drew node w % 2. Measured 2026-11-26: the
-// node-first combine's forwarder took 791 of 1241 us per call at EP4 as 2 nodes of 2.)
+// The items enumerate only the other nodes. (A loop over every node that skipped this node's items left idle every
+// warp whose index drew only this node: with a warp count divisible by the node count, warp w only ever drew node
+// w % nodes, so half the warps at 2 nodes, a third at 3. Measured 2026-11-26: the node-first combine's forwarder
+// took 791 of 1241 us per call at EP4 as 2 nodes of 2.)
 __device__ __forceinline__ void other_node_item(int64_t item, int nodes, int my_node, int* n, int* t) {
   const int k = static_cast<int>(item % (nodes - 1));
   *n = k + (k >= my_node ? 1 : 0);
