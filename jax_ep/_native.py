@@ -70,6 +70,15 @@ def ensure_registered() -> list[tuple[str, str]]:
         return done
 
 
+def target_name(op: str) -> str:
+    """The versioned FFI target name of `op` ("dispatch", "low_latency_combine_send", ...), from the native module's
+    one list (xla_ffi/registry.h). Needed to name jax_ep's custom calls, e.g. in jax.export's disabled_checks."""
+    names = module().target_names()
+    if op not in names:
+        raise KeyError(f"jax_ep has no native target for op {op!r}; known: {sorted(names)}")
+    return names[op]
+
+
 def info() -> dict:
     """What was built: versions and registered targets (for logs and bug reports)."""
     if _module is None:

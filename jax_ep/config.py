@@ -17,7 +17,7 @@ LOW_LATENCY_MODES = ("auto", "per_expert", "per_rank")
 PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
 
 # ---- limits of the CUDA kernels (docs/API.md, "Errors and edge cases") ------------------------------------------
-# Every backend validates them at trace time (jax_ep/validation.py: check_kernel_limits), so a program that runs on
+# Every backend validates them at trace time (jax_ep/ops/validation.py: check_kernel_limits), so a program that runs on
 # the reference backend (CPU) also runs on the GPUs. Each number is the C++ constant of the same name in
 # cuda/include/jax_ep/constants.h; tests/test_bad_inputs.py parses that header and checks they are equal.
 MAX_TOPK = 16                   # kMaxTopk: K, experts per token
@@ -69,8 +69,7 @@ class EPConfig:
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
         only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
         uniform routing (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below).
-        Default "per_expert" (DeepEP's layout, validated across GPUs);
-        per_rank's CUDA kernels pass the GPU suite at R=1 and 2 but are not timed across GPUs yet (docs/API.md).
+        Default "per_expert" (DeepEP's layout). Both modes are timed in docs/BENCHMARKS.md.
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.

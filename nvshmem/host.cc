@@ -13,8 +13,8 @@
 
 #if JAX_EP_NVSHMEM_DEVICE
 #include "device/device_check.h"
-#include "device/ll_rdma.h"
-#include "device/normal_rdma.h"
+#include "device/low_latency.h"
+#include "device/normal.h"
 #endif
 
 namespace jax_ep {
@@ -344,7 +344,7 @@ Status remote_put_bytes(bool reset, uint64_t* out) {
   std::lock_guard<std::mutex> lock(s.mu);
   JAX_EP_RETURN_IF_ERROR(need_initialized(s, "remote_put_bytes"));
   JAX_EP_RETURN_IF_ERROR(select_device(s));
-  return rdma::remote_put_bytes(reset, out);
+  return nvshmem::remote_put_bytes(reset, out);
 #else
   (void)reset;
   (void)out;
@@ -352,15 +352,15 @@ Status remote_put_bytes(bool reset, uint64_t* out) {
 #endif
 }
 
-Status ll_phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns,
+Status low_latency_phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns,
                  std::vector<uint64_t>* hits) {
 #if JAX_EP_NVSHMEM_DEVICE
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  JAX_EP_RETURN_IF_ERROR(need_initialized(s, "ll_phases"));
+  JAX_EP_RETURN_IF_ERROR(need_initialized(s, "low_latency_phases"));
   JAX_EP_RETURN_IF_ERROR(select_device(s));
-  JAX_EP_RETURN_IF_ERROR(rdma::ll_phases(reset, ns, hits));
-  const char* const* n = rdma::ll_phase_names();
+  JAX_EP_RETURN_IF_ERROR(nvshmem::low_latency_phases(reset, ns, hits));
+  const char* const* n = nvshmem::low_latency_phase_names();
   names->assign(n, n + ns->size());
   return Status::Ok();
 #else
@@ -368,7 +368,7 @@ Status ll_phases(bool reset, std::vector<std::string>* names, std::vector<uint64
   (void)names;
   (void)ns;
   (void)hits;
-  return Status::Error("ll_phases: this jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library");
+  return Status::Error("low_latency_phases: this jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library");
 #endif
 }
 
@@ -379,12 +379,12 @@ Status device_check(double timeout_s, std::vector<int32_t>* out) {
   JAX_EP_RETURN_IF_ERROR(need_initialized(s, "device_check"));
   if (!(timeout_s > 0.0)) return Status::Error("device_check: timeout_s must be > 0");
   JAX_EP_RETURN_IF_ERROR(select_device(s));
-  const size_t bytes = rdma::check_buffer_bytes(s.n_pes);
+  const size_t bytes = nvshmem::check_buffer_bytes(s.n_pes);
   char* buf = static_cast<char*>(nvshmem_align(kBufferAlign, bytes));
   if (buf == nullptr) return Status::Error("device_check: nvshmem_align(" + std::to_string(bytes) + ") returned null");
-  rdma::CheckResult* result = nullptr;
+  nvshmem::CheckResult* result = nullptr;
   cudaStream_t stream = nullptr;
-  Status st = CudaStatus(cudaMalloc(&result, sizeof(rdma::CheckResult)), "cudaMalloc", __FILE__, __LINE__);
+  Status st = CudaStatus(cudaMalloc(&result, sizeof(nvshmem::CheckResult)), "cudaMalloc", __FILE__, __LINE__);
   if (st.ok()) st = CudaStatus(cudaMemset(buf, 0, bytes), "cudaMemset", __FILE__, __LINE__);
   if (st.ok()) st = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
                                __FILE__, __LINE__);
@@ -392,9 +392,9 @@ Status device_check(double timeout_s, std::vector<int32_t>* out) {
   // NOTE: every PE reaches both barriers whatever failed locally (collectives); the kernel's waits are bounded, so
   // a PE whose kernel did not run makes the others report it missing instead of hanging them.
   nvshmem_barrier_all();  // every PE's buffer is zero before any PE's kernel writes into it
-  rdma::CheckResult host{};
+  nvshmem::CheckResult host{};
   if (st.ok())
-    st = rdma::launch_device_check(buf, s.n_pes, static_cast<uint64_t>(timeout_s * 1e9), result, stream);
+    st = nvshmem::launch_device_check(buf, s.n_pes, static_cast<uint64_t>(timeout_s * 1e9), result, stream);
   if (st.ok()) st = CudaStatus(cudaStreamSynchronize(stream), "device check kernel", __FILE__, __LINE__);
   if (st.ok())
     st = CudaStatus(cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost), "cudaMemcpy", __FILE__,
@@ -405,10 +405,10 @@ Status device_check(double timeout_s, std::vector<int32_t>* out) {
   if (result != nullptr) cudaFree(result);
   JAX_EP_RETURN_IF_ERROR(st);
   const int32_t* words = reinterpret_cast<const int32_t*>(&host);
-  out->assign(words, words + rdma::CheckResult::kWords);
+  out->assign(words, words + nvshmem::CheckResult::kWords);
   // part of the prewarm: the low-latency kernels are loaded now (this device is current), not at the first call
-  JAX_EP_RETURN_IF_ERROR(rdma::preload_kernels());
-  return rdma::preload_normal_kernels();
+  JAX_EP_RETURN_IF_ERROR(nvshmem::preload_kernels());
+  return nvshmem::preload_normal_kernels();
 #else
   (void)timeout_s;
   (void)out;

@@ -13,8 +13,8 @@
 #include "host.h"
 
 #if JAX_EP_NVSHMEM_DEVICE
-#include "device/ll_rdma.h"
-#include "device/normal_rdma.h"
+#include "device/low_latency.h"
+#include "device/normal.h"
 #endif
 
 namespace nb = nanobind;
@@ -157,40 +157,40 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       "Test hook: bytes of low-latency rows this device put to remote peers (NVSHMEM puts) since the last reset; "
       "counted only when JAX_EP_TEST_COUNT_REMOTE_BYTES=1 was set before initialize");
   m.def(
-      "test_ll_phases",
+      "test_low_latency_phases",
       [](bool reset) {
         std::vector<std::string> names;
         std::vector<uint64_t> ns, hits;
-        blocking([&] { return nh::ll_phases(reset, &names, &ns, &hits); });
+        blocking([&] { return nh::low_latency_phases(reset, &names, &ns, &hits); });
         nb::list out;
         for (size_t i = 0; i < names.size(); ++i) out.append(nb::make_tuple(names[i], ns[i], hits[i]));
         return out;
       },
       nb::arg("reset") = false,
       "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVSHMEM low-latency kernels since the last "
-      "reset; stamped only when JAX_EP_TEST_LL_PHASES=1 was set before initialize (nvshmem/device/phase_stamps.cuh)");
+      "reset; stamped only when JAX_EP_TEST_LOW_LATENCY_PHASES=1 was set before initialize (nvshmem/device/phase_stamps.cuh)");
   m.def(
-      "low_latency_rdma_ops",
+      "low_latency_nvshmem_ops",
       []() -> nb::object {
 #if JAX_EP_NVSHMEM_DEVICE
-        return nb::capsule(const_cast<jax_ep::LowLatencyRdmaOps*>(jax_ep::rdma::low_latency_ops()),
-                           "jax_ep.LowLatencyRdmaOps");
+        return nb::capsule(const_cast<jax_ep::LowLatencyNvshmemOps*>(jax_ep::nvshmem::low_latency_ops()),
+                           "jax_ep.LowLatencyNvshmemOps");
 #else
         return nb::none();
 #endif
       },
       "The NVSHMEM low-latency kernels of this module as a capsule for jax_ep._jax_ep_native."
-      "set_low_latency_rdma_ops (None without the device library)");
+      "set_low_latency_nvshmem_ops (None without the device library)");
   m.def(
-      "normal_rdma_ops",
+      "normal_nvshmem_ops",
       []() -> nb::object {
 #if JAX_EP_NVSHMEM_DEVICE
-        return nb::capsule(const_cast<jax_ep::NormalRdmaOps*>(jax_ep::rdma::normal_ops()), "jax_ep.NormalRdmaOps");
+        return nb::capsule(const_cast<jax_ep::NormalNvshmemOps*>(jax_ep::nvshmem::normal_ops()), "jax_ep.NormalNvshmemOps");
 #else
         return nb::none();
 #endif
       },
-      "The NVSHMEM normal-mode kernels of this module as a capsule for jax_ep._jax_ep_native.set_normal_rdma_ops "
+      "The NVSHMEM normal-mode kernels of this module as a capsule for jax_ep._jax_ep_native.set_normal_nvshmem_ops "
       "(None without the device library)");
   m.def("allocated_bytes", &nh::allocated_bytes);
   m.def("live_teams", &nh::live_teams);

@@ -1,4 +1,5 @@
-"""Shared test utilities: meshes, routing as DeepEP tests it, and sharded runners."""
+"""Shared test utilities: meshes, routing as DeepEP tests it, sharded runners, small configs, and why a GPU test
+skips."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ep
 
 
 def ep_mesh(num_ranks: int, dp: int = 1) -> Mesh:
@@ -30,6 +33,73 @@ def sharded(fn, mesh: Mesh, num_in: int, spec=None):
     """jit(shard_map(fn)) with every input and output split along the leading axis over all mesh axes."""
     spec = spec or P(tuple(mesh.axis_names))
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_in, out_specs=spec))
+
+
+def run_sharded(fn, *args, num_ranks: int):
+    """fn(*args) in jit(shard_map) over ep_mesh(num_ranks), every input and output split along the leading axis."""
+    return sharded(fn, ep_mesh(num_ranks), len(args))(*args)
+
+
+def config_maker(**defaults):
+    """cfg(**changes): jax_ep.EPConfig(**defaults) (backend="reference" unless named) with `changes` applied; the
+    error tests' small configs, one field changed at a time."""
+    def cfg(**changes) -> jax_ep.EPConfig:
+        return jax_ep.EPConfig(**{"backend": "reference", **defaults, **changes})
+
+    return cfg
+
+
+def cuda_gpu_count() -> int:
+    """CUDA GPUs on this machine as nvidia-smi lists them (0 without it): no CUDA context in this process, for tests
+    whose GPU work runs in child processes."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def gpu_child_env(*extra_paths: str, **extra: str) -> dict:
+    """The environment of a GPU child process: this one's without the CPU suite's XLA_FLAGS / JAX_PLATFORMS, the GPU
+    machines' settings (NVLink multicast off, no XLA preallocation), the repository (and extra_paths) on PYTHONPATH,
+    then `extra` (which may set XLA_FLAGS again)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([root, *extra_paths] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def gpu_skip_reason(num_gpus: int, found: int | None = None, nvshmem: bool = False,
+                    device_library: bool = False) -> str | None:
+    """Why a GPU test cannot run here, or None. The GPUs come first (`found`: how many CUDA GPUs the caller counted,
+    by default cuda_gpu_count()), so a machine without GPUs says so rather than naming a library it cannot use
+    anyway; then the native extension; then, with nvshmem=True, the NVSHMEM module and, with device_library=True,
+    its device library."""
+    found = cuda_gpu_count() if found is None else found
+    if found < num_gpus:
+        return f"needs {num_gpus} CUDA GPU{'s' if num_gpus != 1 else ''}, found {found}"
+    from jax_ep import _native
+
+    if not _native.available():
+        return f"native extension not built: {_native.load_error()}"
+    if nvshmem or device_library:
+        from jax_ep.runtime import nvshmem as nvshmem_runtime
+
+        status = nvshmem_runtime.availability()
+        if status != "available":
+            return status
+        if device_library and not nvshmem_runtime.module().has_device_library():
+            return "jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library"
+    return None
 
 
 def bf16(a) -> jax.Array:

@@ -20,7 +20,7 @@ QBLOCK = 128
 
 __all__ = [
     "BF16", "FP8", "sanitize_topk", "layout", "dispatch", "combine", "combine_from_recv_src",
-    "quantize_fp8", "dequantize_fp8", "fp8_step_distance", "ll_dispatch", "ll_combine",
+    "quantize_fp8", "dequantize_fp8", "fp8_step_distance", "low_latency_dispatch", "low_latency_combine",
 ]
 
 
@@ -218,21 +218,25 @@ def combine_from_recv_src(expert_out, recv_src_rank, recv_src_idx, num_tokens, a
 # FP8 (docs/API.md rule)
 # ----------------------------------------------------------------------------------------------------------
 def quantize_fp8(x):
-    """Per token per 128 channels: |x| < 2^-126 counts as +-0; amax in f32, scale = amax * f32(1/448),
-    q = e4m3fn(x * (1/scale)) (RNE); amax < 448 * 2^-126 (zero or tiny block) -> scale 1, q 0.  x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H//128] f32)."""
+    """Per token per 128 channels: |x| < 2^-126 counts as +-0; amax over the finite channels in f32, scale =
+    amax * f32(1/448), q = e4m3fn(x * (1/scale)) (IEEE f32 division, RNE); amax < 448 * 2^-126 (zero or tiny block)
+    -> scale 1, q 0; a non-finite channel becomes the NaN code 0x7F.
+    x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H//128] f32)."""
     x = np.asarray(x)
     H = x.shape[-1]
     if H % QBLOCK:
         raise ValueError(f"H={H} not a multiple of {QBLOCK}")
     xf = x.astype(np.float32).reshape(x.shape[:-1] + (H // QBLOCK, QBLOCK))
     xf = np.where(np.abs(xf) < np.float32(2.0 ** -126), np.copysign(np.float32(0.0), xf), xf)  # subnormals: +-0
+    finite = np.isfinite(xf)
+    xf = np.where(finite, xf, np.float32(0.0))
     amax = np.abs(xf).max(axis=-1)                                   # f32
     nz = amax >= np.float32(448.0 * 2.0 ** -126)                     # below: the scale would be subnormal
     scale = np.where(nz, amax * np.float32(1.0 / FP8_MAX), np.float32(1.0)).astype(np.float32)
     inverse = (np.float32(1.0) / scale).astype(np.float32)           # IEEE f32 division
-    ratio = (xf * inverse[..., None]).astype(np.float32)
-    ratio = np.where(nz[..., None], ratio, xf)  # scale 1: tiny values round to +-0
+    ratio = np.where(nz[..., None], (xf * inverse[..., None]).astype(np.float32), xf)  # scale 1: tiny -> +-0
     q = ratio.astype(FP8)                                            # ml_dtypes: round to nearest even
+    q = np.where(finite, q.view(np.uint8), np.uint8(0x7F)).view(FP8)
     return q.reshape(x.shape), scale
 
 
@@ -258,7 +262,7 @@ def fp8_step_distance(a, b):
 # ----------------------------------------------------------------------------------------------------------
 # low-latency mode
 # ----------------------------------------------------------------------------------------------------------
-def ll_dispatch(x, topk_idx, num_experts, num_ranks, max_tokens_per_rank, use_fp8):
+def low_latency_dispatch(x, topk_idx, num_experts, num_ranks, max_tokens_per_rank, use_fp8):
     """Low-latency dispatch for every rank.
 
     x [R, T, H] bf16, topk_idx [R, T, K].  Returns dict with
@@ -316,7 +320,7 @@ def ll_dispatch(x, topk_idx, num_experts, num_ranks, max_tokens_per_rank, use_fp
                 layout_range=layout_range, row_of=row_of, rows=rows)
 
 
-def ll_message_tables(topk_idx, num_experts, num_ranks, max_tokens_per_rank):
+def low_latency_message_tables(topk_idx, num_experts, num_ranks, max_tokens_per_rank):
     """per_rank mode's handle tables for every rank, from the routing alone (loops, no cumsum tricks).
 
     Returns msg_token [R(receiver), R(src), T_max] and token_rows [R, R, T_max, K]: message j from s is the j-th
@@ -327,7 +331,7 @@ def ll_message_tables(topk_idx, num_experts, num_ranks, max_tokens_per_rank):
     L, N = E // R, R * Tm
     idx = sanitize_topk(np.asarray(topk_idx), E)
     _, T, K = idx.shape
-    row_of = ll_dispatch(np.zeros((R, T, 128), BF16), idx, E, R, Tm, use_fp8=False)["row_of"]
+    row_of = low_latency_dispatch(np.zeros((R, T, 128), BF16), idx, E, R, Tm, use_fp8=False)["row_of"]
     msg_token = np.full((R, R, Tm), -1, np.int32)
     token_rows = np.full((R, R, Tm, K), -1, np.int32)
     for r in range(R):
@@ -344,7 +348,7 @@ def ll_message_tables(topk_idx, num_experts, num_ranks, max_tokens_per_rank):
     return msg_token, token_rows
 
 
-def ll_rows_from_handle(topk_idx, src_info, layout_range, num_experts):
+def low_latency_rows_from_handle(topk_idx, src_info, layout_range, num_experts):
     """Recover each valid (s, t, k)'s row from the LL handle alone (src_info + layout_range).
     Raises AssertionError when the handle does not name exactly one row for a pair."""
     src_info = np.asarray(src_info)
@@ -369,7 +373,7 @@ def ll_rows_from_handle(topk_idx, src_info, layout_range, num_experts):
     return row_of
 
 
-def ll_combine(expert_out, topk_idx, topk_weights, src_info, layout_range, num_experts, accum=np.float32,
+def low_latency_combine(expert_out, topk_idx, topk_weights, src_info, layout_range, num_experts, accum=np.float32,
                return_acc=False):
     """Low-latency combine for every rank.
 
@@ -382,7 +386,7 @@ def ll_combine(expert_out, topk_idx, topk_weights, src_info, layout_range, num_e
     idx = sanitize_topk(topk_idx, num_experts)
     w = np.asarray(topk_weights, np.float32)
     _, T, K = idx.shape
-    row_of = ll_rows_from_handle(idx, src_info, layout_range, num_experts)
+    row_of = low_latency_rows_from_handle(idx, src_info, layout_range, num_experts)
     acc = np.zeros((R, T, H), accum)
     for s in range(R):
         for t in range(T):

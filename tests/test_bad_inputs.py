@@ -8,11 +8,11 @@ gradient. Small shapes: the whole file runs in well under a minute on two CPU co
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 import jax
@@ -20,29 +20,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import config, fp8, validation
-from helpers import ep_mesh, non_finite_rows
+from jax_ep import config, fp8
+from jax_ep.ops import validation
+import oracle as O
+from helpers import config_maker, ep_mesh, non_finite_rows, run_sharded, sharded
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPEC = P("ep")
 R, E, H, K, T = 2, 4, 128, 2, 4
 
 
-def cfg(**kw):
-    base = dict(num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T, backend="reference")
-    base.update(kw)
-    return jax_ep.EPConfig(**base)
-
-
-def run(body, *args, num_ranks=R):
-    f = jax.jit(jax.shard_map(body, mesh=ep_mesh(num_ranks), in_specs=(SPEC,) * len(args), out_specs=SPEC))
-    return f(*args)
+cfg = config_maker(num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=T)
+run = functools.partial(run_sharded, num_ranks=R)
 
 
 def trace(body, *args, num_ranks=R):
     """Traces (no compilation): trace-time checks run, nothing is executed."""
-    f = jax.jit(jax.shard_map(body, mesh=ep_mesh(num_ranks), in_specs=(SPEC,) * len(args), out_specs=SPEC))
-    return f.trace(*args)
+    return sharded(body, ep_mesh(num_ranks), len(args)).trace(*args)
 
 
 def inputs(t=T, h=H, k=K, num_ranks=R, seed=0, experts=E):
@@ -375,21 +369,9 @@ def test_low_latency_combine_ignores_masked_weights_even_non_finite():
 
 # ---- non-finite fp8 blocks ---------------------------------------------------------------------------------------------
 def numpy_fp8_rule(x):
-    """The rule of docs/API.md in NumPy (IEEE, no flushing): per token and 128-channel block, |x| < 2^-126 counts as
-    +-0; amax over the finite channels (0 if none); scale = amax * f32(1/448) if amax >= 448 * 2^-126 else 1; finite
-    channels -> e4m3fn(x * f32(1 / scale)) (round to nearest even); every non-finite channel -> the NaN code 0x7F.
-    Returns (q bytes uint8 [T, H], scales f32 [T, H // 128])."""
-    xf = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
-    xf = np.where(np.abs(xf) < np.float32(2.0 ** -126), np.copysign(np.float32(0), xf), xf)
-    finite = np.isfinite(xf)
-    amax = np.where(finite, np.abs(xf), np.float32(0)).max(axis=2)
-    scale = np.where(amax >= np.float32(448.0 * 2.0 ** -126), amax * np.float32(1.0 / 448.0),
-                     np.float32(1.0)).astype(np.float32)
-    inverse = (np.float32(1.0) / scale).astype(np.float32)
-    ratio = (np.where(finite, xf, np.float32(0)) * inverse[..., None]).astype(np.float32)
-    q = ratio.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    q = np.where(finite, q, np.uint8(0x7F))
-    return q.reshape(x.shape[0], -1), scale
+    """The rule of docs/API.md in NumPy (tests/oracle.py): (q bytes uint8 [T, H], scales f32 [T, H // 128])."""
+    q, scale = O.quantize_fp8(np.asarray(x, np.float32))
+    return q.view(np.uint8), scale
 
 
 def test_fp8_reference_follows_the_non_finite_rule():

@@ -11,10 +11,10 @@ def _ev(name, ts, dur, pid=1):
 
 
 def test_short_name_drops_namespaces_templates_and_parameters():
-    assert short_name("void jax_ep::rdma::(anonymous namespace)::rdma_dispatch_send_kernel(DispatchSendParams, int)") \
-        == "rdma_dispatch_send_kernel"
-    assert short_name("void jax_ep::ll::ll_dispatch_send_kernel<false>(jax_ep::ll::DispatchSendParams)") \
-        == "ll_dispatch_send_kernel"
+    assert short_name("void jax_ep::nvshmem::(anonymous namespace)::nvshmem_dispatch_send_kernel(DispatchSendParams, int)") \
+        == "nvshmem_dispatch_send_kernel"
+    assert short_name("void jax_ep::low_latency::low_latency_dispatch_send_kernel<false>(jax_ep::low_latency::DispatchSendParams)") \
+        == "low_latency_dispatch_send_kernel"
     assert short_name("loop_convert_fusion") == "loop_convert_fusion"
 
 
@@ -43,19 +43,19 @@ def test_phase_table_means_per_stamp_and_skips_unstamped_phases():
 
 
 def test_phase_reader_is_off_without_the_variable(monkeypatch):
-    monkeypatch.delenv("JAX_EP_TEST_LL_PHASES", raising=False)
+    monkeypatch.delenv("JAX_EP_TEST_LOW_LATENCY_PHASES", raising=False)
     assert _phase_reader() is None
 
 
 def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     # a forwarded dispatch call: notify, send rows, wait, forward, wait, copy-out; period = send-rows to send-rows
-    call = [("rdma_notify_kernel", 0, 5), ("rdma_send_rows_kernel<8>", 6, 50), ("rdma_wait_data_kernel", 57, 2),
-            ("rdma_forward_kernel", 60, 30), ("rdma_wait_data_kernel", 91, 2), ("recv_copy_kernel", 94, 20)]
-    ops = [_ev(f"void jax_ep::rdma::{n}(P)", ts + 120 * i, d) for i in range(3) for n, ts, d in call]
+    call = [("nvshmem_notify_kernel", 0, 5), ("nvshmem_send_rows_kernel<8>", 6, 50), ("nvshmem_wait_data_kernel", 57, 2),
+            ("nvshmem_forward_kernel", 60, 30), ("nvshmem_wait_data_kernel", 91, 2), ("recv_copy_kernel", 94, 20)]
+    ops = [_ev(f"void jax_ep::nvshmem::{n}(P)", ts + 120 * i, d) for i in range(3) for n, ts, d in call]
     _, _, period = gap_report(ops)
     assert period == 120
-    combine = [_ev("rdma_combine_send_kernel(P)", 0, 40), _ev("rdma_combine_forward_kernel<bf16>(P)", 45, 30),
-               _ev("rdma_combine_send_kernel(P)", 100, 40)]
+    combine = [_ev("nvshmem_combine_send_kernel(P)", 0, 40), _ev("nvshmem_combine_forward_kernel<bf16>(P)", 45, 30),
+               _ev("nvshmem_combine_send_kernel(P)", 100, 40)]
     assert gap_report(combine)[2] == 100
 
 

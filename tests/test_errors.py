@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
 import jax_ep
-from helpers import ep_mesh, sharded
+from helpers import config_maker, run_sharded
 
 R, E, H, K, TMAX = 2, 4, 128, 2, 4
-
-
-def cfg(**kw):
-    base = dict(num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=TMAX, backend="reference")
-    base.update(kw)
-    return jax_ep.EPConfig(**base)
-
-
-def run(fn, *args, num_ranks=R):
-    return sharded(fn, ep_mesh(num_ranks), len(args))(*args)
+cfg = config_maker(num_experts=E, hidden=H, num_topk=K, max_tokens_per_rank=TMAX)
+run = functools.partial(run_sharded, num_ranks=R)
 
 
 def good(t=3, h=H, k=K):

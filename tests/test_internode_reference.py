@@ -55,10 +55,10 @@ def test_every_num_max_nvl_peers_gives_the_same_results(mode):
 def test_groups_of_16_and_32_ranks():
     """Groups of 16 and 32 ranks (kMaxGroupRanks) on 32 emulated CPU devices, in a child process (the device count is
     fixed before jax starts): dispatch equals the oracle, every allowed split gives the same bits, and normal mode on
-    the NVLink kernels refuses more than 8 ranks (tests/cpu_children/wide_group.py)."""
+    the NVLink kernels refuses more than 8 ranks (tests/programs/cpu/wide_group.py)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=32", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(here, "cpu_children", "wide_group.py")], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(here, "programs", "cpu", "wide_group.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("OK ")] == ["R=16", "R=32"], \

@@ -2,7 +2,7 @@
 
 Several hosts (two launchers forming one job, SLURM variables): tests/test_launch_multihost.py.
 Multi-process runs use real processes, jax.distributed over loopback and gloo CPU collectives (the default CPU
-collectives implementation on jax 0.10.2). The child programs are in tests/multiprocess/. Children get a clean
+collectives implementation on jax 0.10.2). The child programs are in tests/programs/cpu/. Children get a clean
 environment: XLA_FLAGS (8 forced devices, set by conftest.py for the in-process tests) is removed and each child
 sets its own CPU device count.
 """
@@ -21,7 +21,7 @@ from jax_ep import launch
 from jax_ep.launch import cli, join
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MP = os.path.join(ROOT, "tests", "multiprocess")
+MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 def child_env(**extra):

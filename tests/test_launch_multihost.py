@@ -18,7 +18,7 @@ from jax_ep.launch import env as E
 from jax_ep.launch.plan import Hosts, PlanError, child_envs, first_host, free_port, resolve_hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MP = os.path.join(ROOT, "tests", "multiprocess")
+MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 def child_env(**extra):

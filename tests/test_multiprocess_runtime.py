@@ -15,10 +15,10 @@ from jax.sharding import Mesh
 
 import jax_ep
 from jax_ep.runtime import agreement, nvshmem, nvshmem_env, teams
-from jax_ep.validation import EPError
+from jax_ep.errors import EPError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MP = os.path.join(ROOT, "tests", "multiprocess")
+MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -43,9 +43,8 @@ def test_plan_teams_sizes_and_members(R, nvl, subteams):
         assert s.kind == "nvl" and s.nvl_index == j and s.num_max_nvl_peers == nvl
         assert all(r % nvl == j for r in s.ranks)
         assert s.size == len(s.ranks) and s.stride == (nvl if s.size > 1 else 1)
-    # every rank is in exactly one sub team when there are sub teams
-    if subs:
-        assert sorted(r for s in subs for r in s.ranks) == list(range(R))
+    # every rank is in exactly one sub team when there are sub teams (none when the group fits one NVLink domain)
+    assert sorted(r for s in subs for r in s.ranks) == (list(range(R)) if subteams else [])
 
 
 @pytest.mark.parametrize("R,nvl,nodes", [
@@ -68,8 +67,8 @@ def test_plan_teams_nvlink_teams_are_the_nodes(R, nvl, nodes):
         assert s.node_index == n and s.num_max_nvl_peers == nvl and s.nvl_index is None
         assert all(r // nvl == n for r in s.ranks) and s.stride == 1 and s.size == len(s.ranks)
         assert f"node {n} (num_max_nvl_peers={nvl})" in s.describe()
-    if nodes:  # every rank in exactly one node team
-        assert sorted(r for s in node_teams for r in s.ranks) == list(range(R))
+    # every rank in exactly one node team, when there are node teams
+    assert sorted(r for s in node_teams for r in s.ranks) == (list(range(R)) if nodes else [])
 
 
 def test_plan_teams_dp_by_ep_and_strided_world_pes():
@@ -248,7 +247,7 @@ def test_same_setup_agrees_and_reinitializes():
 @pytest.mark.parametrize("case,field", [
     ("hidden", "configs[0].hidden: 128 on process [0], 256 on process [1]"),
     ("mesh", "mesh.axis_names[0]: 'ep' on process [0], 'other' on process [1]"),
-    ("put_bytes", "kernel_env.JAX_EP_LL_PUT_BYTES: 8192 on process [0], 4096 on process [1]"),
+    ("put_bytes", "kernel_env.JAX_EP_LOW_LATENCY_PUT_BYTES: 8192 on process [0], 4096 on process [1]"),
     ("warmup_ops", "warmup_ops: True on process [0], False on process [1]"),
 ])
 def test_mismatched_setup_is_an_error_naming_it(case, field):

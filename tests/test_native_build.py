@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(native is None, reason=_skip_reason or "")
 
 LAYOUT = "jax_ep_layout_v1"
 STATEFUL_TARGETS = {
-    "jax_ep_dispatch_v3", "jax_ep_cached_dispatch_v3", "jax_ep_combine_v3",
-    "jax_ep_ll_dispatch_v5", "jax_ep_ll_dispatch_send_v5", "jax_ep_ll_dispatch_recv_v5",
-    "jax_ep_ll_combine_v5", "jax_ep_ll_combine_send_v5", "jax_ep_ll_combine_recv_v5",
+    "jax_ep_dispatch_v4", "jax_ep_cached_dispatch_v4", "jax_ep_combine_v4",
+    "jax_ep_low_latency_dispatch_v6", "jax_ep_low_latency_dispatch_send_v6", "jax_ep_low_latency_dispatch_recv_v6",
+    "jax_ep_low_latency_combine_v6", "jax_ep_low_latency_combine_send_v6", "jax_ep_low_latency_combine_recv_v6",
 }
 
 
@@ -102,39 +102,39 @@ def test_normal_buffer_bytes_by_hand():
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
-    # rdma (EPConfig.normal_over_nvshmem): after src_idx, each piece aligned to 256, with meta records of
+    # nvshmem (EPConfig.normal_over_nvshmem): after src_idx, each piece aligned to 256, with meta records of
     # align16(4 * (2K + 1 + ceil(H/128)) = 24) = 32 bytes:
     #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
     #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
     #   expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=True) == 8448 + 512 + 5120 + 3 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 8448 + 512 + 5120 + 3 * 256
     # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
     plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
-    assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, rdma=True) == plain + (
+    assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, nvshmem=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, rdma=False) == 8448
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 8448
 
 
 def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
-    # Hierarchical dispatch (rdma, nodes of nvl_domain = 2..8 ranks, >= 2 nodes): slots = (nodes - 1) * T_max (the
+    # Hierarchical dispatch (nvshmem, nodes of nvl_domain = 2..8 ranks, >= 2 nodes): slots = (nodes - 1) * T_max (the
     # other nodes only), each area aligned to 256. R=4, nvl 2 -> 2 nodes, 4 slots; records of
     # align16(4 * (1 + 8 + 2K + ceil(H/128)) = 56) = 64:
     #   fwd_rows align256(4 * 512) = 2048; fwd_meta align256(4 * 64) = 256; send_fwd_meta 256
     four = {**SMALL_NORMAL, "num_ranks": 4}
-    flat = native.normal_buffer_bytes(**four, rdma=True)
-    assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=2) == flat + 2048 + 256 + 256
-    # no forwarding: nodes of 1 (flat puts), one node, a node size that does not divide R, no rdma
+    flat = native.normal_buffer_bytes(**four, nvshmem=True)
+    assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=2) == flat + 2048 + 256 + 256
+    # no forwarding: nodes of 1 (flat puts), one node, a node size that does not divide R, no nvshmem
     for nvl in (0, 1, 3, 4):
-        assert native.normal_buffer_bytes(**four, rdma=True, nvl_domain=nvl) == flat
-    assert native.normal_buffer_bytes(**four, rdma=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
+        assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=nvl) == flat
+    assert native.normal_buffer_bytes(**four, nvshmem=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
     # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 12 slots (768 bytes of
     # records per area)
     wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
-    wide_flat = native.normal_buffer_bytes(**wide, rdma=True)
-    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=16) == wide_flat
-    assert native.normal_buffer_bytes(**wide, rdma=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768
+    wide_flat = native.normal_buffer_bytes(**wide, nvshmem=True)
+    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=16) == wide_flat
+    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768
     with pytest.raises(ValueError, match="nvl_domain"):
-        native.normal_buffer_bytes(**four, rdma=True, nvl_domain=-1)
+        native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=-1)
 
 
 # The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][32]
@@ -155,10 +155,10 @@ def test_low_latency_buffer_bytes_by_hand():
 
 
 def test_staging_plan_by_hand():
-    # [normal = max(normal) | LL = max(low_latency)], ll_offset = aligned end of the normal region
+    # [normal = max(normal) | LL = max(low_latency)], low_latency_offset = aligned end of the normal region
     assert native.staging_plan([7424, 3000], [24576, 1024]) == (7424 + 24576, 7424, 24576)
     assert native.staging_plan([7424], []) == (7424, 7424, 0)
-    # the normal region never ends before the signal header; ll_offset is 256-aligned
+    # the normal region never ends before the signal header; low_latency_offset is 256-aligned
     assert native.staging_plan([], []) == (2048, 2048, 0)
     assert native.staging_plan([1000], [5120]) == (2048 + 5120, 2048, 5120)
     assert native.staging_plan([2300], []) == (2304, 2304, 0)
@@ -182,9 +182,9 @@ def test_bind_unbind_round_trip():
     try:
         assert axis not in native.bound_axes()
         native.bind_axis(axis, 7, 7424, 24576)
-        assert native.bound_axes()[axis] == {"set_id": 7, "ll_offset": 7424, "ll_bytes": 24576}
+        assert native.bound_axes()[axis] == {"set_id": 7, "low_latency_offset": 7424, "low_latency_bytes": 24576}
         native.bind_axis(axis, 9, 1024, 0)  # rebinding replaces
-        assert native.bound_axes()[axis] == {"set_id": 9, "ll_offset": 1024, "ll_bytes": 0}
+        assert native.bound_axes()[axis] == {"set_id": 9, "low_latency_offset": 1024, "low_latency_bytes": 0}
     finally:
         native.unbind_axis(axis)
     assert axis not in native.bound_axes()
@@ -193,9 +193,9 @@ def test_bind_unbind_round_trip():
 
 def test_bind_axis_rejects_bad_arguments():
     axis = "jax_ep_test_native_build_bad"
-    with pytest.raises(ValueError, match="ll_offset must be a multiple of 256"):
+    with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
         native.bind_axis(axis, 1, 512, 4096)       # inside the signal header
-    with pytest.raises(ValueError, match="ll_offset must be a multiple of 256"):
+    with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
         native.bind_axis(axis, 1, 1030, 4096)      # misaligned
     with pytest.raises(ValueError, match="set_id must be >= 0"):
         native.bind_axis(axis, -1, 1024, 0)

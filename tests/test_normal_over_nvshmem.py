@@ -1,6 +1,6 @@
-"""Issue 14, CPU part of the normal mode over NVSHMEM (nvshmem/device/normal_rdma.cu; the GPU part is
+"""Issue 14, CPU part of the normal mode over NVSHMEM (nvshmem/device/normal_send.cu; the GPU part is
 tests/gpu/test_multiprocess_cuda.py): which kernels a group takes (EPConfig.normal_over_nvshmem), what the lowered
-dispatch / cached dispatch / combine calls carry (rdma, nvl_domain), what initialize refuses, and the send area the
+dispatch / cached dispatch / combine calls carry (nvshmem, nvl_domain), what initialize refuses, and the send area the
 size hints add."""
 import re
 
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import _native
 from jax_ep.runtime import lifecycle
-from tests.helpers import ep_mesh, random_topk
+from helpers import ep_mesh, random_topk
 
 R, E, H, K, T = 4, 8, 256, 2, 8
 SPEC = P("ep")
@@ -40,7 +40,8 @@ def test_normal_over_nvshmem_is_a_group_wider_than_one_nvlink_domain(nvl, num_ra
 @pytest.fixture
 def cuda_lowering(monkeypatch):
     """Select the CUDA backend at trace time on this CPU machine (lowering only: nothing is compiled or run)."""
-    from jax_ep import backends, ops_normal
+    from jax_ep import backends
+    from jax_ep.ops import normal as ops_normal
     from jax_ep.backends import _ffi
 
     monkeypatch.setattr(_ffi._native, "ensure_registered", lambda: [])
@@ -50,10 +51,10 @@ def cuda_lowering(monkeypatch):
 _NORMAL_CALL = re.compile(r"stablehlo\.custom_call @(jax_ep_(?:dispatch|cached_dispatch|combine)_v\d+)\(.*\{(.*)$")
 
 
-@pytest.mark.parametrize("nvl,want_rdma", [(8, 0), (4, 0), (2, 1), (1, 1)])
-def test_lowered_normal_calls_carry_the_kernel_choice(cuda_lowering, nvl, want_rdma):
+@pytest.mark.parametrize("nvl,want_nvshmem", [(8, 0), (4, 0), (2, 1), (1, 1)])
+def test_lowered_normal_calls_carry_the_kernel_choice(cuda_lowering, nvl, want_nvshmem):
     """Every normal-mode target of a program (dispatch, the combine, and the cached dispatch of the combine's VJP)
-    carries rdma = normal_over_nvshmem(R) and nvl_domain = num_max_nvl_peers."""
+    carries nvshmem = normal_over_nvshmem(R) and nvl_domain = num_max_nvl_peers."""
     c = cfg(num_max_nvl_peers=nvl)
     rng = np.random.default_rng(0)
     idx = jnp.asarray(np.concatenate([random_topk(rng, T, E, K) for _ in range(R)]))
@@ -72,9 +73,9 @@ def test_lowered_normal_calls_carry_the_kernel_choice(cuda_lowering, nvl, want_r
     text = f.trace(x, idx, w).lower(lowering_platforms=("cuda",)).as_text()
     calls = [m.groups() for m in map(_NORMAL_CALL.search, text.splitlines()) if m]
     targets = sorted({t for t, _ in calls})
-    assert targets == ["jax_ep_cached_dispatch_v3", "jax_ep_combine_v3", "jax_ep_dispatch_v3"], targets
+    assert targets == ["jax_ep_cached_dispatch_v4", "jax_ep_combine_v4", "jax_ep_dispatch_v4"], targets
     for target, attrs in calls:
-        assert re.search(rf"\brdma = {want_rdma} : i32", attrs), (target, attrs)
+        assert re.search(rf"\bnvshmem = {want_nvshmem} : i32", attrs), (target, attrs)
         assert re.search(rf"\bnvl_domain = {nvl} : i32", attrs), (target, attrs)
 
 

@@ -281,28 +281,28 @@ def test_native_module_name_matches_the_transport():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# kernel variables (jax_ep/runtime/kernel_env.py): JAX_EP_LL_PUT_BYTES
+# kernel variables (jax_ep/runtime/kernel_env.py): JAX_EP_LOW_LATENCY_PUT_BYTES
 # ---------------------------------------------------------------------------------------------------------
-def test_ll_put_bytes_default_and_valid_values():
+def test_low_latency_put_bytes_default_and_valid_values():
     from jax_ep.runtime import kernel_env as ke
 
-    assert ke.ll_put_bytes({}) == ke.LL_PUT_BYTES_DEFAULT == 8192
-    assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": " "}) == 8192
+    assert ke.low_latency_put_bytes({}) == ke.LOW_LATENCY_PUT_BYTES_DEFAULT == 8192
+    assert ke.low_latency_put_bytes({"JAX_EP_LOW_LATENCY_PUT_BYTES": " "}) == 8192
     for v in (2048, 4096, 30720, 65536):
-        assert ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": str(v)}) == v
-    assert ke.kernel_environment({"JAX_EP_LL_PUT_BYTES": "8192"}) == {"JAX_EP_LL_PUT_BYTES": 8192}
+        assert ke.low_latency_put_bytes({"JAX_EP_LOW_LATENCY_PUT_BYTES": str(v)}) == v
+    assert ke.kernel_environment({"JAX_EP_LOW_LATENCY_PUT_BYTES": "8192"}) == {"JAX_EP_LOW_LATENCY_PUT_BYTES": 8192}
 
 
 @pytest.mark.parametrize("raw", ["1024", "3000", "0", "-2048", "131072", "16k", "2048.0", "4_096", "+4096",
                                  "\u0664\u0660\u0669\u0666"])
-def test_ll_put_bytes_rejects_bad_values_naming_the_variable(raw):
+def test_low_latency_put_bytes_rejects_bad_values_naming_the_variable(raw):
     from jax_ep.runtime import kernel_env as ke
 
     import re
 
-    with pytest.raises(EPError, match=re.escape(f"JAX_EP_LL_PUT_BYTES={raw!r} must be a multiple of 2048 from 2048 "
+    with pytest.raises(EPError, match=re.escape(f"JAX_EP_LOW_LATENCY_PUT_BYTES={raw!r} must be a multiple of 2048 from 2048 "
                                                 f"to 65536")):
-        ke.ll_put_bytes({"JAX_EP_LL_PUT_BYTES": raw})
+        ke.low_latency_put_bytes({"JAX_EP_LOW_LATENCY_PUT_BYTES": raw})
 
 
 def test_initialize_rejects_a_bad_kernel_variable(monkeypatch):
@@ -310,20 +310,20 @@ def test_initialize_rejects_a_bad_kernel_variable(monkeypatch):
     import numpy as np
     from jax.sharding import Mesh
 
-    monkeypatch.setenv("JAX_EP_LL_PUT_BYTES", "1000")
+    monkeypatch.setenv("JAX_EP_LOW_LATENCY_PUT_BYTES", "1000")
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
     cfg = jax_ep.EPConfig(4, 64, 2, 8, backend="reference")
-    with pytest.raises(EPError, match="JAX_EP_LL_PUT_BYTES='1000'"):
+    with pytest.raises(EPError, match="JAX_EP_LOW_LATENCY_PUT_BYTES='1000'"):
         jax_ep.initialize(mesh, cfg)
 
 
 def test_the_kernels_default_is_the_python_default():
-    """The native default (nvshmem/device/ll_rdma.cu) and kernel_env's must be one number: a process whose
+    """The native default (nvshmem/device/low_latency.cu) and kernel_env's must be one number: a process whose
     variable is unset agrees (fingerprint) with one that sets the default explicitly."""
     import os
     import re
 
     from jax_ep.runtime import kernel_env as ke
 
-    src = open(os.path.join(os.path.dirname(__file__), "..", "nvshmem", "device", "ll_rdma.cu")).read()
-    assert int(re.search(r"constexpr int kDefaultPutPartBytes = (\d+);", src).group(1)) == ke.LL_PUT_BYTES_DEFAULT
+    src = open(os.path.join(os.path.dirname(__file__), "..", "nvshmem", "device", "low_latency.cu")).read()
+    assert int(re.search(r"constexpr int kDefaultPutPartBytes = (\d+);", src).group(1)) == ke.LOW_LATENCY_PUT_BYTES_DEFAULT

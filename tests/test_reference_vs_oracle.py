@@ -311,9 +311,10 @@ def test_normal_mode(case, variant, seed):
             assert (out.recv_topk_idx[g * R + r, n:] == -1).all(), f"rank {r}: padding recv_topk_idx\n{ctx}"
             assert (out.recv_topk_weights[g * R + r, n:] == 0).all(), f"rank {r}: padding weights\n{ctx}"
             assert (out.handle.recv_src_rank[g * R + r, n:] == -1).all(), f"rank {r}: padding src rank\n{ctx}"
-            # groups never mix: every received row comes from this group's devices
-            src_dev = out.recv_x[g * R + r, :n, 0].astype(np.float32) - 1 if not fp8 else None
-            if src_dev is not None:
+            # groups never mix: every received row comes from this group's devices (bf16 rows carry the source
+            # device in channel 0; fp8 rows do not)
+            if not fp8:
+                src_dev = out.recv_x[g * R + r, :n, 0].astype(np.float32) - 1
                 assert ((src_dev >= g * R) & (src_dev < (g + 1) * R)).all(), f"rank {r}: rows from another " \
                     f"group: {sorted(set(src_dev.tolist()))}\n{ctx}"
         # combine of random expert outputs (padding/garbage rows must be ignored) + weights
@@ -357,7 +358,7 @@ LL_CASES = {
 LL_VARIANTS = ["random", "invalid", "repeat", "hot", "empty"]
 
 
-def _ll_x(rng, G, T, H, variant):
+def _low_latency_x(rng, G, T, H, variant):
     """bf16 activations: random normal with per-token magnitudes, one all-zero block, a device/token tag."""
     x = rng.standard_normal((G, T, H)) * rng.choice([1e-3, 1.0, 30.0], size=(G, T, 1))
     x[:, :, 0] = np.arange(G)[:, None] + 1
@@ -378,7 +379,7 @@ def test_low_latency(case, variant, seed, ll_mode):
     cfg = jax_ep.EPConfig(E, H, K, Tm, axis_name="ep", backend="reference", low_latency_mode=ll_mode)
     idx = make_routing(variant, rng, G, T, E, K)
     w = rng.standard_normal((G, T, K)).astype(np.float32)
-    x = _ll_x(rng, G, T, H, variant)
+    x = _low_latency_x(rng, G, T, H, variant)
     eo = rng.standard_normal((G, L, N, H)).astype(BF16)
     ctx0 = f"case={case} variant={variant} seed={seed} (JAX_EP_TEST_SEED={seed}) dp={dp} R={R} E={E} T={T} " \
            f"T_max={Tm} K={K} H={H} low_latency_mode={ll_mode}"
@@ -390,7 +391,7 @@ def test_low_latency(case, variant, seed, ll_mode):
         for mode, fp8 in (("bf16", False), ("fp8", True), ("split_bf16", False), ("split_fp8", True)):
             got = res[mode]
             c = f"{ctx} [{mode}]"
-            exp = O.ll_dispatch(x[sl], idx[sl], E, R, Tm, use_fp8=fp8)
+            exp = O.low_latency_dispatch(x[sl], idx[sl], E, R, Tm, use_fp8=fp8)
             assert_same("recv_count", got.recv_count[sl], exp["recv_count"], c)
             assert_same("handle.src_info", got.handle.src_info[sl], exp["src_info"], c)
             assert_same("handle.layout_range", got.handle.layout_range[sl], exp["layout_range"], c)
@@ -432,13 +433,13 @@ def test_low_latency(case, variant, seed, ll_mode):
         for f in ("src_info", "layout_range"):
             assert_same(f"fp8 handle.{f} == bf16 handle.{f}", getattr(res["fp8"].handle, f)[sl],
                         getattr(res["bf16"].handle, f)[sl], ctx)
-        exp = O.ll_dispatch(x[sl], idx[sl], E, R, Tm, use_fp8=False)
+        exp = O.low_latency_dispatch(x[sl], idx[sl], E, R, Tm, use_fp8=False)
         valid = np.arange(N)[None, None, :] < exp["recv_count"][..., None]
         assert_rows_same("split fp8 recv_x == fused", res["split_fp8"].recv_x[sl], res["fp8"].recv_x[sl], valid, ctx)
         # combine (fused and split) vs oracle; rows >= recv_count of expert_out are random garbage here
-        _, acc = O.ll_combine(eo[sl], idx[sl], w[sl], exp["src_info"], exp["layout_range"], E, accum=np.float64,
+        _, acc = O.low_latency_combine(eo[sl], idx[sl], w[sl], exp["src_info"], exp["layout_range"], E, accum=np.float64,
                               return_acc=True)
-        _, sabs = O.ll_combine(np.abs(eo[sl].astype(np.float64)), idx[sl], np.abs(w[sl]), exp["src_info"],
+        _, sabs = O.low_latency_combine(np.abs(eo[sl].astype(np.float64)), idx[sl], np.abs(w[sl]), exp["src_info"],
                                exp["layout_range"], E, accum=np.float64, return_acc=True)
         # per_rank: each rank's partial sum is rounded to bf16 before the sum over ranks (docs/SPEC.md), at most
         # 2^-8 (bf16 unit roundoff) of its terms' absolute sum: allowed on top of the f32-accumulation tolerance.
@@ -449,7 +450,7 @@ def test_low_latency(case, variant, seed, ll_mode):
             assert_close_sum(f"low_latency_combine {name}", res[name][sl], acc, sabs, ctx, out_bits=8, nterms=K,
                              extra_abs=extra)
         if ll_mode == "per_rank":
-            msg_token, token_rows = O.ll_message_tables(idx[sl], E, R, Tm)
+            msg_token, token_rows = O.low_latency_message_tables(idx[sl], E, R, Tm)
             for mode in ("bf16", "fp8", "split_bf16", "split_fp8"):
                 assert_same(f"handle.msg_token [{mode}]", res[mode].handle.msg_token[sl], msg_token, ctx)
                 assert_same(f"handle.token_rows [{mode}]", res[mode].handle.token_rows[sl], token_rows, ctx)

@@ -12,7 +12,7 @@ import pytest
 
 import jax_ep
 from jax_ep.runtime import transport
-from tests.helpers import ep_mesh
+from helpers import ep_mesh
 
 
 @pytest.mark.parametrize("value,want", [(None, "auto"), ("", "auto"), ("auto", "auto"), ("nvshmem", "nvshmem"),

@@ -95,10 +95,10 @@ def test_low_latency_vjp_equals_autodiff(num_ranks):
     state = jax_ep.LowLatencyState(jnp.zeros((4,), jnp.int32))  # plain autodiff: the state is not differentiated
 
     def ref_dispatch(x, idx):
-        return reference.ll_dispatch(x, idx, state, cfg, num_ranks, False)[0]
+        return reference.low_latency_dispatch(x, idx, state, cfg, num_ranks, False)[0]
 
     def ref_combine(out, idx, w, handle):
-        return reference.ll_combine(out, idx, w, handle, state, cfg, num_ranks)[0]
+        return reference.low_latency_combine(out, idx, w, handle, state, cfg, num_ranks)[0]
 
     ops = program(lambda x, i: jax_ep.low_latency_dispatch(x, i, cfg, use_fp8=False),
                   lambda o, i, w, h: jax_ep.low_latency_combine(o, i, w, h, cfg))

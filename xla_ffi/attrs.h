@@ -12,9 +12,7 @@
 
 namespace jax_ep {
 
-// jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3. v3 (2026-11-25): the normal region's layout
-// gained the forwarding areas of hierarchical dispatch and the ops its protocol; and v2 had been lowered both with
-// and without the rdma / nvl_domain attributes. A program serialized against v2 fails to load with an unknown
+// The normal-mode targets (registry.h). A program serialized against an older version fails to load with an unknown
 // target rather than a missing attribute or a mismatched layout.
 struct NormalAttrs {
   std::string_view axis;        // str: the EP mesh axis (bind_axis)
@@ -24,11 +22,11 @@ struct NormalAttrs {
   int32_t max_tokens_per_rank;  // T_max
   int32_t num_sms;              // blocks of the NVLink-sending kernels
   int64_t timeout_ns;           // device waits trap after this long
-  int32_t rdma;                 // 1: the NVSHMEM kernels (EPConfig.normal_over_nvshmem(R))
+  int32_t nvshmem;                 // 1: the NVSHMEM kernels (EPConfig.normal_over_nvshmem(R))
   int32_t nvl_domain;           // ranks per NVLink domain for those kernels (EPConfig.num_max_nvl_peers)
 };
 
-// Every jax_ep_ll_*_v5 target.
+// Every jax_ep_low_latency_*_v6 target.
 struct LowLatencyAttrs {
   std::string_view axis;        // str: the EP mesh axis (bind_axis)
   int32_t num_experts;          // E
@@ -38,7 +36,7 @@ struct LowLatencyAttrs {
   int64_t timeout_ns;           // device waits trap after this long
   int32_t use_fp8;              // dispatch: fp8 (1) or bf16 (0) payload; combine targets: ignored (Python passes 0)
   int32_t per_rank;             // 1: per_rank mode (one message per token and destination rank), 0: per_expert
-  int32_t rdma;                 // 1: the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem(R))
+  int32_t nvshmem;                 // 1: the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem(R))
   int32_t nvl_domain;           // ranks per NVLink domain for those kernels (EPConfig.low_latency_nvl_domain())
 };
 
@@ -49,12 +47,12 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::NormalAttrs, StructMember<std::str
                                       StructMember<int32_t>("num_topk"),
                                       StructMember<int32_t>("max_tokens_per_rank"),
                                       StructMember<int32_t>("num_sms"), StructMember<int64_t>("timeout_ns"),
-                                      StructMember<int32_t>("rdma"), StructMember<int32_t>("nvl_domain"));
+                                      StructMember<int32_t>("nvshmem"), StructMember<int32_t>("nvl_domain"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::LowLatencyAttrs, StructMember<std::string_view>("axis"),
                                       StructMember<int32_t>("num_experts"), StructMember<int32_t>("hidden"),
                                       StructMember<int32_t>("num_topk"),
                                       StructMember<int32_t>("max_tokens_per_rank"),
                                       StructMember<int64_t>("timeout_ns"), StructMember<int32_t>("use_fp8"),
-                                      StructMember<int32_t>("per_rank"), StructMember<int32_t>("rdma"),
+                                      StructMember<int32_t>("per_rank"), StructMember<int32_t>("nvshmem"),
                                       StructMember<int32_t>("nvl_domain"));

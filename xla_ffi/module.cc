@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "jax_ep/peer_group.h"
-#include "jax_ep/rdma_ops.h"
+#include "jax_ep/nvshmem_ops.h"
 #include "jax_ep/staging_layout.h"
 #include "op_state.h"
 #include "registry.h"
@@ -36,8 +36,10 @@ namespace {
 
 constexpr const char* kStateTypeName = "jax_ep_op_state_v2";
 
-// A target: stateless (execute only) or a stateful bundle (instantiate != nullptr, state type OpState).
+// A target: stateless (execute only) or a stateful bundle (instantiate != nullptr, state type OpState). `op` is the
+// name Python asks for (target_names()); `name` the versioned FFI target from registry.h.
 struct Target {
+  const char* op;
   const char* name;
   const char* platform;  // as jax.ffi.register_ffi_target spells it
   XLA_FFI_Handler* instantiate;
@@ -45,18 +47,25 @@ struct Target {
 };
 
 const std::vector<Target>& Targets() {
+  namespace t = jax_ep::targets;
   static const std::vector<Target> targets = {
-      {"jax_ep_layout_v1", "cpu", nullptr, JaxEpLayoutCpuV1},
-      {"jax_ep_layout_v1", "CUDA", nullptr, JaxEpLayoutCudaV1},
-      {"jax_ep_dispatch_v3", "CUDA", JaxEpDispatchInstantiateV3, JaxEpDispatchCudaV3},
-      {"jax_ep_cached_dispatch_v3", "CUDA", JaxEpCachedDispatchInstantiateV3, JaxEpCachedDispatchCudaV3},
-      {"jax_ep_combine_v3", "CUDA", JaxEpCombineInstantiateV3, JaxEpCombineCudaV3},
-      {"jax_ep_ll_dispatch_v5", "CUDA", JaxEpLlDispatchInstantiateV4, JaxEpLlDispatchCudaV4},
-      {"jax_ep_ll_dispatch_send_v5", "CUDA", JaxEpLlDispatchSendInstantiateV4, JaxEpLlDispatchSendCudaV4},
-      {"jax_ep_ll_dispatch_recv_v5", "CUDA", JaxEpLlDispatchRecvInstantiateV4, JaxEpLlDispatchRecvCudaV4},
-      {"jax_ep_ll_combine_v5", "CUDA", JaxEpLlCombineInstantiateV4, JaxEpLlCombineCudaV4},
-      {"jax_ep_ll_combine_send_v5", "CUDA", JaxEpLlCombineSendInstantiateV4, JaxEpLlCombineSendCudaV4},
-      {"jax_ep_ll_combine_recv_v5", "CUDA", JaxEpLlCombineRecvInstantiateV4, JaxEpLlCombineRecvCudaV4},
+      {"layout", t::kLayout, "cpu", nullptr, JaxEpLayoutCpuV1},
+      {"layout", t::kLayout, "CUDA", nullptr, JaxEpLayoutCudaV1},
+      {"dispatch", t::kDispatch, "CUDA", JaxEpDispatchInstantiateV4, JaxEpDispatchCudaV4},
+      {"cached_dispatch", t::kCachedDispatch, "CUDA", JaxEpCachedDispatchInstantiateV4, JaxEpCachedDispatchCudaV4},
+      {"combine", t::kCombine, "CUDA", JaxEpCombineInstantiateV4, JaxEpCombineCudaV4},
+      {"low_latency_dispatch", t::kLowLatencyDispatch, "CUDA", JaxEpLowLatencyDispatchInstantiateV6,
+       JaxEpLowLatencyDispatchCudaV6},
+      {"low_latency_dispatch_send", t::kLowLatencyDispatchSend, "CUDA", JaxEpLowLatencyDispatchSendInstantiateV6,
+       JaxEpLowLatencyDispatchSendCudaV6},
+      {"low_latency_dispatch_recv", t::kLowLatencyDispatchRecv, "CUDA", JaxEpLowLatencyDispatchRecvInstantiateV6,
+       JaxEpLowLatencyDispatchRecvCudaV6},
+      {"low_latency_combine", t::kLowLatencyCombine, "CUDA", JaxEpLowLatencyCombineInstantiateV6,
+       JaxEpLowLatencyCombineCudaV6},
+      {"low_latency_combine_send", t::kLowLatencyCombineSend, "CUDA", JaxEpLowLatencyCombineSendInstantiateV6,
+       JaxEpLowLatencyCombineSendCudaV6},
+      {"low_latency_combine_recv", t::kLowLatencyCombineRecv, "CUDA", JaxEpLowLatencyCombineRecvInstantiateV6,
+       JaxEpLowLatencyCombineRecvCudaV6},
   };
   return targets;
 }
@@ -83,7 +92,7 @@ void def_staging(nb::module_& m) {
   m.def(
       "normal_buffer_bytes",
       [](int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t capacity,
-         int64_t num_experts, bool rdma, int64_t nvl_domain) {
+         int64_t num_experts, bool nvshmem, int64_t nvl_domain) {
         const char* fn = "normal_buffer_bytes";
         require_positive(fn, "hidden", hidden);
         require_positive(fn, "num_topk", num_topk);
@@ -93,13 +102,13 @@ void def_staging(nb::module_& m) {
         require_positive(fn, "num_experts", num_experts);
         if (nvl_domain < 0) throw nb::value_error("normal_buffer_bytes: nvl_domain must be >= 0");
         return jax_ep::normal_buffer_bytes(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts,
-                                           rdma, nvl_domain);
+                                           nvshmem, nvl_domain);
       },
       nb::arg("hidden"), nb::arg("num_topk"), nb::arg("max_tokens_per_rank"), nb::arg("num_ranks"),
-      nb::arg("capacity"), nb::arg("num_experts"), nb::arg("rdma") = false, nb::arg("nvl_domain") = 0,
-      "Bytes of the normal-mode region one rank needs for a config (signal header included); rdma: with the send "
+      nb::arg("capacity"), nb::arg("num_experts"), nb::arg("nvshmem") = false, nb::arg("nvl_domain") = 0,
+      "Bytes of the normal-mode region one rank needs for a config (signal header included); nvshmem: with the send "
       "area of the NVSHMEM normal-mode kernels (EPConfig.normal_over_nvshmem); nvl_domain (num_max_nvl_peers, with "
-      "rdma): with the forwarding areas of hierarchical dispatch (nodes of 2 to 8 ranks, at least 2 nodes).");
+      "nvshmem): with the forwarding areas of hierarchical dispatch (nodes of 2 to 8 ranks, at least 2 nodes).");
   m.def(
       "low_latency_buffer_bytes",
       [](int64_t hidden, int64_t max_tokens_per_rank, int64_t num_ranks, int64_t num_experts, bool staged) {
@@ -121,11 +130,11 @@ void def_staging(nb::module_& m) {
         require_non_negative("staging_plan", "low_latency", low_latency);
         const jax_ep::StagingPlan p =
             jax_ep::make_staging_plan(normal.data(), normal.size(), low_latency.data(), low_latency.size());
-        return std::make_tuple(p.buffer_bytes, p.ll_offset, p.ll_bytes);
+        return std::make_tuple(p.buffer_bytes, p.low_latency_offset, p.low_latency_bytes);
       },
       nb::arg("normal"), nb::arg("low_latency"),
-      "(buffer_bytes, ll_offset, ll_bytes) of one device's staging: [normal region = max(normal) | LL region = "
-      "max(low_latency)]; ll_offset = the aligned end of the normal region (>= the signal header), ll_bytes = 0 "
+      "(buffer_bytes, low_latency_offset, low_latency_bytes) of one device's staging: [normal region = max(normal) | LL region = "
+      "max(low_latency)]; low_latency_offset = the aligned end of the normal region (>= the signal header), low_latency_bytes = 0 "
       "when low_latency is empty.");
 }
 
@@ -204,38 +213,38 @@ const Table* table_from_capsule(nb::object ops, const char* fn, const char* name
 
 void def_bindings(nb::module_& m) {
   m.def(
-      "set_low_latency_rdma_ops",
+      "set_low_latency_nvshmem_ops",
       [](nb::object ops) {
-        throw_if_error(jax_ep::set_low_latency_rdma_ops(table_from_capsule<jax_ep::LowLatencyRdmaOps>(
-            ops, "set_low_latency_rdma_ops", "jax_ep.LowLatencyRdmaOps", "low_latency_rdma_ops")));
+        throw_if_error(jax_ep::set_low_latency_nvshmem_ops(table_from_capsule<jax_ep::LowLatencyNvshmemOps>(
+            ops, "set_low_latency_nvshmem_ops", "jax_ep.LowLatencyNvshmemOps", "low_latency_nvshmem_ops")));
       },
       nb::arg("ops").none(),
       "Installs the NVSHMEM module's low-latency kernels (EPConfig.low_latency_over_nvshmem), or clears them with "
       "None. The table must come from a module built from the same tree (checked).");
-  m.def("has_low_latency_rdma_ops", []() { return jax_ep::low_latency_rdma_ops() != nullptr; });
+  m.def("has_low_latency_nvshmem_ops", []() { return jax_ep::low_latency_nvshmem_ops() != nullptr; });
   m.def(
-      "set_normal_rdma_ops",
+      "set_normal_nvshmem_ops",
       [](nb::object ops) {
-        throw_if_error(jax_ep::set_normal_rdma_ops(table_from_capsule<jax_ep::NormalRdmaOps>(
-            ops, "set_normal_rdma_ops", "jax_ep.NormalRdmaOps", "normal_rdma_ops")));
+        throw_if_error(jax_ep::set_normal_nvshmem_ops(table_from_capsule<jax_ep::NormalNvshmemOps>(
+            ops, "set_normal_nvshmem_ops", "jax_ep.NormalNvshmemOps", "normal_nvshmem_ops")));
       },
       nb::arg("ops").none(),
       "Installs the NVSHMEM module's normal-mode kernels (EPConfig.normal_over_nvshmem), or clears them with None. "
       "The table must come from a module built from the same tree (checked).");
-  m.def("has_normal_rdma_ops", []() { return jax_ep::normal_rdma_ops() != nullptr; });
+  m.def("has_normal_nvshmem_ops", []() { return jax_ep::normal_nvshmem_ops() != nullptr; });
   m.def(
       "bind_axis",
-      [](const std::string& axis, int64_t set_id, int64_t ll_offset, int64_t ll_bytes) {
+      [](const std::string& axis, int64_t set_id, int64_t low_latency_offset, int64_t low_latency_bytes) {
         jax_ep::AxisBinding b;
         b.set_id = set_id;
-        b.ll_offset = ll_offset;
-        b.ll_bytes = ll_bytes;
+        b.low_latency_offset = low_latency_offset;
+        b.low_latency_bytes = low_latency_bytes;
         const jax_ep::Status st = jax_ep::bind_axis(axis, b);
         if (!st.ok()) throw nb::value_error(st.message().c_str());
       },
-      nb::arg("axis"), nb::arg("set_id"), nb::arg("ll_offset"), nb::arg("ll_bytes"),
+      nb::arg("axis"), nb::arg("set_id"), nb::arg("low_latency_offset"), nb::arg("low_latency_bytes"),
       "From now on a call site whose `axis` attribute is `axis` and that has not run yet uses the group of set "
-      "`set_id` that holds its device, and the low-latency region (ll_offset, ll_bytes) of that group's staging "
+      "`set_id` that holds its device, and the low-latency region (low_latency_offset, low_latency_bytes) of that group's staging "
       "(call sites that ran keep their group while it exists). Rebinding replaces. No CUDA call.");
   m.def(
       "unbind_axis", [](const std::string& axis) { jax_ep::unbind_axis(axis); }, nb::arg("axis"),
@@ -247,13 +256,13 @@ void def_bindings(nb::module_& m) {
         for (const auto& [axis, b] : jax_ep::bound_axes()) {
           nb::dict d;
           d["set_id"] = b.set_id;
-          d["ll_offset"] = b.ll_offset;
-          d["ll_bytes"] = b.ll_bytes;
+          d["low_latency_offset"] = b.low_latency_offset;
+          d["low_latency_bytes"] = b.low_latency_bytes;
           out[nb::str(axis.c_str())] = d;
         }
         return out;
       },
-      "{axis: {set_id, ll_offset, ll_bytes}} of every bound axis (diagnostics).");
+      "{axis: {set_id, low_latency_offset, low_latency_bytes}} of every bound axis (diagnostics).");
 }
 
 }  // namespace
@@ -303,6 +312,15 @@ NB_MODULE(_jax_ep_native, m) {
       },
       "list of (target_name, platform, handler) for jax.ffi.register_ffi_target: handler is a PyCapsule (stateless) "
       "or a dict {'instantiate', 'execute'} of PyCapsules (stateful; register state_types() first)");
+  m.def(
+      "target_names",
+      []() {
+        nb::dict out;
+        for (const Target& t : Targets()) out[t.op] = t.name;
+        return out;
+      },
+      "dict op -> versioned FFI target name (e.g. 'low_latency_dispatch' -> 'jax_ep_low_latency_dispatch_v6'): the one "
+      "list jax_ep.backends._ffi and jax.export users read");
   m.def(
       "state_types",
       []() {

@@ -1,5 +1,5 @@
 // FFI targets of the normal mode (training, prefill), platform "CUDA", stateful bundles {instantiate, execute}:
-//   jax_ep_dispatch_v3, jax_ep_cached_dispatch_v3, jax_ep_combine_v3 (operands and results: see the bindings).
+//   jax_ep_dispatch_v4, jax_ep_cached_dispatch_v4, jax_ep_combine_v4 (operands and results: see the bindings).
 //
 // Attributes: NormalAttrs (attrs.h), decoded once per call site by the instantiate stage into an OpState.
 // Execute resolves (axis, DeviceOrdinal) through the state (op_state.h), checks shapes, fills a Params struct and
@@ -19,6 +19,7 @@
 #include "jax_ep/staging_layout.h"
 #include "op_state.h"
 #include "registry.h"
+#include "test_hooks.h"
 #include "types.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,7 +46,7 @@ ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupC
   const OpConfig& a = st->config();
   JAX_EP_CHECK(target, capacity > 0, "the capacity (rows of the receive buffers) must be positive");
   const BufferLayout layout = make_buffer_layout(a.hidden, a.num_topk, a.max_tokens_per_rank, r->view.num_ranks,
-                                                 capacity, a.num_experts, a.rdma, a.nvl_domain);
+                                                 capacity, a.num_experts, a.nvshmem, a.nvl_domain);
   JAX_EP_CHECK(target, layout.total <= r->normal_limit,
                "this config needs " + std::to_string(layout.total) + " staging bytes per rank but the runtime has " +
                    std::to_string(r->normal_limit) + " (pass this config to jax_ep.initialize)");
@@ -58,7 +59,7 @@ ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupC
 int copy_blocks_for(int32_t sm_count) { return sm_count > 0 ? 2 * sm_count : 264; }
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------
-constexpr const char* kDispatch = "jax_ep_dispatch_v3";
+constexpr const char* kDispatch = targets::kDispatch;
 
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x, F32Mat x_scales, S32Mat topk_idx,
                     F32Mat topk_weights, ffi::Result<AnyBuf> recv_x, ffi::Result<F32Mat> recv_x_scales,
@@ -128,12 +129,13 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     p.num_sms = num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kDispatch, s);
+    if (test_hooks::absent(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kDispatch, normal::launch_dispatch(p, stream));
   });
 }
 
 // ---- cached dispatch --------------------------------------------------------------------------------------------
-constexpr const char* kCached = "jax_ep_cached_dispatch_v3";
+constexpr const char* kCached = targets::kCachedDispatch;
 
 int64_t payload_elem_bytes(ffi::DataType t) {
   return t == ffi::DataType::BF16 ? 2 : (t == ffi::DataType::F32 ? 4 : 0);
@@ -202,12 +204,13 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, OpState* st, Any
     p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCached, s);
+    if (test_hooks::absent(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kCached, normal::launch_cached_dispatch(p, stream));
   });
 }
 
 // ---- combine ----------------------------------------------------------------------------------------------------
-constexpr const char* kCombine = "jax_ep_combine_v3";
+constexpr const char* kCombine = targets::kCombine;
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf values, F32Mat weights, S32Mat send_pos,
                    S32Vec recv_src_idx, S32Vec recv_src_rank, S32Vec recv_rank_counts, S32Vec send_row_offset,
@@ -251,6 +254,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf val
     p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCombine, s);
+    if (test_hooks::absent(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kCombine, normal::launch_combine(p, stream));
   });
 }
@@ -266,15 +270,15 @@ namespace ffi = ::xla::ffi;
 using namespace jax_ep::ffi_types;  // NOLINT
 
 // Instantiate stage: the NormalAttrs of the call site -> its OpState.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV3, jax_ep::InstantiateDispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchInstantiateV4, jax_ep::InstantiateDispatch,
                               ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV3, jax_ep::InstantiateCached,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchInstantiateV4, jax_ep::InstantiateCached,
                               ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineInstantiateV3, jax_ep::InstantiateCombine,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineInstantiateV4, jax_ep::InstantiateCombine,
                               ffi::Ffi::BindInstantiate().Attrs<jax_ep::NormalAttrs>());
 
 // Execute stage (the attributes are in the state; the binding takes none).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV3, jax_ep::Dispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV4, jax_ep::Dispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank
@@ -296,7 +300,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchCudaV3, jax_ep::Dispatch,
                                   .Ret<S32Vec>(),    // handle.send_row_offset [R]
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV3, jax_ep::CachedDispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV4, jax_ep::CachedDispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank
@@ -312,7 +316,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatchCudaV3, jax_ep::CachedDispatch,
                                   .Ret<F32Mat>(),  // recv_weights [C, Kw]
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineCudaV3, jax_ep::Combine,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineCudaV4, jax_ep::Combine,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
                                   .Ctx<ffi::DeviceOrdinal>()                 // finds the group and the rank

@@ -52,12 +52,12 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::Normal(const char* target, const
   if (err.empty() && a.num_sms < 1) err = "num_sms must be >= 1, got " + std::to_string(a.num_sms);
   // rows and node-first combine partials move as 16-byte vectors in slots of payload_stride = 4 * hidden bytes
   if (err.empty() && a.hidden % 8 != 0) err = "hidden must be a multiple of 8, got " + std::to_string(a.hidden);
-  if (err.empty() && a.rdma != 0 && a.nvl_domain < 1)
+  if (err.empty() && a.nvshmem != 0 && a.nvl_domain < 1)
     err = "nvl_domain must be >= 1, got " + std::to_string(a.nvl_domain);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.num_sms = a.num_sms;
-  c.rdma = a.rdma != 0;
+  c.nvshmem = a.nvshmem != 0;
   c.nvl_domain = a.nvl_domain;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kNormal, std::string(a.axis), c));
 }
@@ -70,16 +70,16 @@ ffi::ErrorOr<std::unique_ptr<OpState>> OpState::LowLatency(const char* target, c
   if (err.empty() && a.hidden % 8 != 0) err = "hidden must be a multiple of 8, got " + std::to_string(a.hidden);
   if (err.empty() && a.use_fp8 != 0 && a.hidden % kFp8Block != 0)
     err = "fp8 dispatch needs hidden % 128 == 0, got hidden=" + std::to_string(a.hidden);
-  if (err.empty() && a.rdma != 0 && a.per_rank != 0)
+  if (err.empty() && a.nvshmem != 0 && a.per_rank != 0)
     err = "the NVSHMEM low-latency kernels (allow_nvlink_for_low_latency=False or R > num_max_nvl_peers) need "
           "low_latency_mode='per_expert'";
-  if (err.empty() && a.rdma != 0 && a.nvl_domain < 1)
+  if (err.empty() && a.nvshmem != 0 && a.nvl_domain < 1)
     err = "nvl_domain must be >= 1, got " + std::to_string(a.nvl_domain);
   if (!err.empty()) return ffi::Unexpected(ffi_util::Invalid(target, err));
   OpConfig c = base_config(a);
   c.use_fp8 = a.use_fp8 != 0;
   c.per_rank = a.per_rank != 0;
-  c.rdma = a.rdma != 0;
+  c.nvshmem = a.nvshmem != 0;
   c.nvl_domain = a.nvl_domain;
   return std::unique_ptr<OpState>(new OpState(target, OpMode::kLowLatency, std::string(a.axis), c));
 }
@@ -106,15 +106,15 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   out->alive = rg.alive;
   out->view = rg.view;
   out->binding = rg.binding;
-  out->normal_limit = rg.binding.ll_bytes > 0 ? rg.binding.ll_offset : rg.view.buffer_bytes;
+  out->normal_limit = rg.binding.low_latency_bytes > 0 ? rg.binding.low_latency_offset : rg.view.buffer_bytes;
   // The NVSHMEM normal-mode kernels reach the ranks of other NVLink domains, and any rank without a pointer, by
   // puts; they need this rank to be an NVSHMEM PE.
-  if (mode_ == OpMode::kNormal && c.rdma) {
+  if (mode_ == OpMode::kNormal && c.nvshmem) {
     if (rg.view.pe[rg.view.rank] < 0)
       return ffi_util::Precondition(target_, "the NVSHMEM normal-mode kernels (R > num_max_nvl_peers) move rows with "
                                              "NVSHMEM puts, but the group of mesh axis '" + axis_ + "' is not an "
                                              "NVSHMEM group: run one process per GPU (python -m jax_ep.launch)");
-    out->normal_remote = ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+    out->normal_remote = low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
     for (int q = 0; q < R; ++q)
       if (rg.view.peers.base[q] == nullptr) out->normal_remote |= 1u << q;
     out->normal_remote &= ~(1u << rg.view.rank);  // this rank's own rows always move by stores
@@ -123,7 +123,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
     // ranks would wait for announcements that never come (initialize checks it first: check_unmapped).
     out->normal_forward_nvl = 0;
     if (forward_nodes(R, c.nvl_domain) > 0) {
-      const uint32_t unmapped = out->normal_remote & ~ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+      const uint32_t unmapped = out->normal_remote & ~low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
       if (unmapped != 0u) {
         std::string ranks;
         for (int q = 0; q < R; ++q)
@@ -141,7 +141,7 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   }
   // Every other kernel but the NVSHMEM low-latency ones stores through peer pointers: a rank without one (another
   // host) makes them impossible, which is said here rather than found as a fault.
-  if (mode_ != OpMode::kLowLatency || !c.rdma) {
+  if (mode_ != OpMode::kLowLatency || !c.nvshmem) {
     std::string unmapped;
     for (int q = 0; q < R; ++q)
       if (rg.view.peers.base[q] == nullptr) unmapped += (unmapped.empty() ? "" : ", ") + std::to_string(q);
@@ -165,42 +165,42 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   if (mode_ != OpMode::kLowLatency) return ffi::Error::Success();
 
   const AxisBinding& b = rg.binding;
-  if (b.ll_bytes <= kLowLatencyFixedBytes)
+  if (b.low_latency_bytes <= kLowLatencyFixedBytes)
     return ffi_util::Invalid(target_, "the runtime has no low-latency buffers for mesh axis '" + axis_ +
                                           "' (EPConfig.low_latency_buffers)");
-  if (b.ll_offset < kSignalHeaderBytes || b.ll_offset % kAlign != 0 || b.ll_offset + b.ll_bytes > rg.view.buffer_bytes)
-    return ffi_util::Invalid(target_, "low-latency region [" + std::to_string(b.ll_offset) + ", +" +
-                                          std::to_string(b.ll_bytes) + ") does not fit the group's " +
+  if (b.low_latency_offset < kSignalHeaderBytes || b.low_latency_offset % kAlign != 0 || b.low_latency_offset + b.low_latency_bytes > rg.view.buffer_bytes)
+    return ffi_util::Invalid(target_, "low-latency region [" + std::to_string(b.low_latency_offset) + ", +" +
+                                          std::to_string(b.low_latency_bytes) + ") does not fit the group's " +
                                           std::to_string(rg.view.buffer_bytes) + "-byte staging buffer");
-  const int64_t half_bytes = ll_half_bytes(b.ll_bytes);
-  if (c.rdma && rg.view.pe[rg.view.rank] < 0)
+  const int64_t half_bytes = low_latency_half_bytes(b.low_latency_bytes);
+  if (c.nvshmem && rg.view.pe[rg.view.rank] < 0)
     return ffi_util::Precondition(target_, "the NVSHMEM low-latency kernels (allow_nvlink_for_low_latency=False or "
                                            "R > num_max_nvl_peers) move rows with NVSHMEM puts, but the "
                                            "group of mesh axis '" + axis_ + "' is not an NVSHMEM group: run one "
                                            "process per GPU (python -m jax_ep.launch; one process: "
                                            "JAX_EP_TRANSPORT=nvshmem)");
   const LowLatencyLayout layout = make_low_latency_layout(c.hidden, c.max_tokens_per_rank, c.num_experts, R,
-                                                          b.ll_offset, half_bytes, c.rdma);
+                                                          b.low_latency_offset, half_bytes, c.nvshmem);
   if (layout.half_needed > half_bytes)
     return ffi_util::Invalid(target_, "this config needs " + std::to_string(layout.half_needed) +
                                           " bytes per low-latency half but the runtime has " +
                                           std::to_string(half_bytes) + " (pass this config to jax_ep.initialize)");
-  out->ll.g = group_ctx(*out);
-  out->ll.ll = layout;
-  out->ll.num_experts = c.num_experts;
-  out->ll.num_local = c.num_experts / R;
-  out->ll.hidden = c.hidden;
-  out->ll.max_tokens = c.max_tokens_per_rank;
-  out->ll.sm_count = rg.view.sm_count;
+  out->low_latency.g = group_ctx(*out);
+  out->low_latency.low_latency = layout;
+  out->low_latency.num_experts = c.num_experts;
+  out->low_latency.num_local = c.num_experts / R;
+  out->low_latency.hidden = c.hidden;
+  out->low_latency.max_tokens = c.max_tokens_per_rank;
+  out->low_latency.sm_count = rg.view.sm_count;
   // Remote: other NVLink domains, and any rank the group has no pointer for (initialize refuses those inside the
   // domain; this keeps the kernels and the registry on one answer whatever nvshmem_ptr says on the device).
   // INVARIANT the NVSHMEM LL kernels rely on: a clear bit implies peers.base[q] != nullptr (their direct_ptr adds
   // an offset to it). Set remote_ranks here only.
-  out->ll.remote_ranks = 0u;
-  if (c.rdma) {
-    out->ll.remote_ranks = ll::remote_ranks(rg.view.rank, R, c.nvl_domain);
+  out->low_latency.remote_ranks = 0u;
+  if (c.nvshmem) {
+    out->low_latency.remote_ranks = low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
     for (int q = 0; q < R; ++q)
-      if (rg.view.peers.base[q] == nullptr) out->ll.remote_ranks |= 1u << q;
+      if (rg.view.peers.base[q] == nullptr) out->low_latency.remote_ranks |= 1u << q;
   }
   return ffi::Error::Success();
 }

@@ -11,8 +11,7 @@
 // A later initialize with more configs binds the axis to new groups and retires the old ones (alive until
 // finalize); a program that ran before keeps the old buffers on EVERY device, whether XLA replays it from a
 // CUDA graph (handlers not called: the graph holds the old pointers) or calls the handlers (they must agree with
-// the graph-replaying devices and processes, or the ranks wait on different buffers: a deadlock seen at R=2 on
-// 2026-11-23 when only the cache key moved). Programs first run after the initialize use the new groups.
+// the graph-replaying devices and processes, or the ranks wait on different buffers and deadlock). Programs first run after the initialize use the new groups.
 // NOTE: one state is shared by all devices that run the executable (single process, N GPUs): each device reads and
 // writes only its own cache slot. Published resolutions are immutable and live as long as the state, so a thread
 // that loaded a pointer can keep using it while another call of the same device republishes.
@@ -27,7 +26,7 @@
 #include <vector>
 
 #include "attrs.h"
-#include "jax_ep/ll_params.h"
+#include "jax_ep/low_latency_params.h"
 #include "jax_ep/peer_group.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -42,8 +41,8 @@ struct OpConfig {
   bool use_fp8 = false;    // low-latency dispatch
   bool per_rank = false;   // low-latency mode: per_rank (EPConfig.low_latency_mode)
   // the NVSHMEM kernels: EPConfig.low_latency_over_nvshmem(R) (low-latency), EPConfig.normal_over_nvshmem(R) (normal)
-  bool rdma = false;
-  int32_t nvl_domain = 0;  // with rdma: ranks r, q with r / nvl_domain == q / nvl_domain are reached by stores
+  bool nvshmem = false;
+  int32_t nvl_domain = 0;  // with nvshmem: ranks r, q with r / nvl_domain == q / nvl_domain are reached by stores
   uint64_t timeout_ns = 1;
 };
 
@@ -52,10 +51,10 @@ struct Resolved {
   std::shared_ptr<const std::atomic<bool>> alive;  // its group's liveness (ResolvedGroup::alive)
   GroupDeviceView view;
   AxisBinding binding;
-  int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, ll_offset) when an LL region is bound
-  uint32_t normal_remote = 0;  // normal targets with rdma: GroupCtx::remote
-  int32_t normal_forward_nvl = 0;  // normal targets with rdma: GroupCtx::forward_nvl (hierarchical dispatch)
-  ll::Ctx ll{};              // low-latency targets: the validated context (group, layout of the bound region)
+  int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, low_latency_offset) when an LL region is bound
+  uint32_t normal_remote = 0;  // normal targets with nvshmem: GroupCtx::remote
+  int32_t normal_forward_nvl = 0;  // normal targets with nvshmem: GroupCtx::forward_nvl (hierarchical dispatch)
+  low_latency::Ctx low_latency{};              // low-latency targets: the validated context (group, layout of the bound region)
 };
 
 class OpState {

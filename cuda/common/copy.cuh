@@ -37,11 +37,23 @@ __device__ __forceinline__ int4 pack_bf16x8(const float f[8]) {
   return v;
 }
 
-// One warp copies `bytes` (a multiple of 16) of peer-written data: L1-bypassing loads (ld.cg).
+// One warp copies `bytes` (a multiple of 16) of peer-written data: L1-bypassing loads (ld.cg), four per lane in
+// flight before their stores (a load-store chain per vector would serialize the NVLink or HBM round trips).
 __device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int bytes) {
   const int n16 = bytes / 16;
-  for (int j = lane_id(); j < n16; j += 32)
-    st_v4(reinterpret_cast<int4*>(dst) + j, ld_cg_v4(reinterpret_cast<const int4*>(src) + j));
+  for (int base = 0; base < n16; base += 4 * 32) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = base + u * 32 + lane_id();
+      if (j < n16) v[u] = ld_cg_v4(reinterpret_cast<const int4*>(src) + j);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = base + u * 32 + lane_id();
+      if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, v[u]);
+    }
+  }
 }
 
 // One warp copies at most 2048 bytes (4 vectors per lane) of read-only input: every load issued before any store.

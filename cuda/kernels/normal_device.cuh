@@ -1,5 +1,5 @@
 // Device code of the normal mode shared by its two kernel sets: the NVLink kernels (normal_kernels.cu, every rank by
-// stores through peer pointers) and the NVSHMEM kernels (nvshmem/device/normal_rdma.cu, remote ranks by puts).
+// stores through peer pointers) and the NVSHMEM kernels (nvshmem/device/normal_send.cu, remote ranks by puts).
 // Each function here does the transport-free part of a step: the routing layout and the handle counts of dispatch's
 // notify, the staging rows of a token, the stores of a token's row to the destinations given, the stores of one
 // combine row. Both kernel sets fill the same staging layout, so the receive side (copy-out, reduce) is one.
@@ -11,7 +11,7 @@
 
 #include "common/copy.cuh"
 #include "common/ptx.cuh"
-#include "common/routing.cuh"
+#include "common/layout.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/normal_params.h"
 #include "transport/peer.cuh"
@@ -19,24 +19,23 @@
 namespace jax_ep::normal {
 
 constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
-// Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores). NOTE: measured on 4x H200, T=4096
-// H=7168 K=8: dispatch 757 us (unroll 4) vs 759 us (8), no difference; 1024-thread blocks (unroll 4 or 8) were
-// no faster either (bf16 722 / 757 vs 718 us, fp8 443 / 451 vs 425 us). See docs/gpu-notes.md.
+// Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores); an unroll of 4 and 1024-thread blocks
+// measure the same (docs/log/2026-11-benchmark-runs.md).
 constexpr int kSendUnroll = 8;
-// Combine sender: 8 vectors in flight per lane (one store per load). See the timing NOTE at combine_send_kernel.
+// Combine sender: 8 vectors in flight per lane (one store per load).
 constexpr int kCombineUnroll = 8;
 
 // Dispatch notify, before the barrier: the routing layout of this rank's tokens (send_pos, per-rank counts in
 // sm.rank_base, per-expert counts in s_expert). Called by every thread of the one notify block.
-__device__ __forceinline__ void notify_layout(const DispatchParams& p, routing::BlockSmem& sm, int32_t* s_expert) {
-  routing::Params lp{};
+__device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::BlockSmem& sm, int32_t* s_expert) {
+  layout::Params lp{};
   lp.topk_idx = p.topk_idx;
   lp.send_pos = p.send_pos;
   lp.num_tokens = p.num_tokens;
   lp.num_topk = p.num_topk;
   lp.num_experts = p.num_experts;
   lp.num_ranks = p.g.num_ranks;
-  routing::block_layout(lp, sm, s_expert);
+  layout::block_layout(lp, sm, s_expert);
   __syncthreads();
 }
 
@@ -95,7 +94,7 @@ __device__ __forceinline__ void local_entry_of(int32_t e, float w, bool has_ids,
   *w_out = w;
   *id = -1;
   if (!has_ids) return;
-  if (!routing::valid_expert(e, experts_per_rank * num_ranks)) e = -1;
+  if (!layout::valid_expert(e, experts_per_rank * num_ranks)) e = -1;
   *id = (e >= 0 && e / experts_per_rank == d) ? e - d * experts_per_rank : -1;
   if (*id < 0) *w_out = 0.0f;
 }

@@ -9,7 +9,7 @@
 // NOTE (why a local copy-out instead of peers writing straight into XLA's recv buffers): the output buffers are
 // allocated by XLA per execution and may come from VMM (cuMemCreate) pools that are not mapped for peers; peers
 // would also need the address of every output of every call (another exchange per op). The copy-out is local HBM
-// traffic (~2 x received bytes at several TB/s) and runs on all SMs after the NVLink phase; see docs/gpu-notes.md.
+// traffic (~2 x received bytes at several TB/s) and runs on all SMs after the NVLink phase.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -17,10 +17,10 @@
 #include "common/copy.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
-#include "common/routing.cuh"
+#include "common/layout.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
-#include "jax_ep/rdma_ops.h"
+#include "jax_ep/nvshmem_ops.h"
 #include "kernels/normal_device.cuh"
 #include "jax_ep/signal_header.h"
 #include "transport/peer.cuh"
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant_
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
 __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
-  __shared__ routing::BlockSmem sm;
+  __shared__ layout::BlockSmem sm;
   __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
@@ -180,10 +180,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
 // (all ranks first send to rank 0, then to rank 1, ...): one GPU's NVLink ingress was the bottleneck while the
 // others idled. Warps instead interleave the remote sources: virtual row j -> source (me + 1 + j % (R-1)) % R,
 // k-th row of that source with k = j / (R-1), so consecutive warps write to different peers and the rotation by
-// `me` makes the ranks start on different destinations.
-// NOTE (timing, 4x H200, EP4, T=4096 H=7168 K=8 E=256, num_sms=24, loop of 20 incl. 1/20 of a dispatch, one run):
-// source order + local rows via staging 1041-1079 us; interleaved + local direct 667-680 us (512 threads, unroll
-// 4), 650-673 us (unroll 8, kept), 671-691 us (1024 threads, unroll 4), 663-687 us (1024 threads, unroll 2).
+// `me` makes the ranks start on different destinations (measured against source order: docs/log/2026-11-benchmark-runs.md).
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
@@ -304,10 +301,10 @@ int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
 
 // The NVSHMEM kernels of a group with remote ranks (GroupCtx::remote != 0: EPConfig.normal_over_nvshmem), or
 // nullptr for the NVLink kernels. Error: remote ranks but the NVSHMEM module has not handed its table over.
-Status transport_ops(const GroupCtx& g, const NormalRdmaOps** ops) {
+Status transport_ops(const GroupCtx& g, const NormalNvshmemOps** ops) {
   *ops = nullptr;
   if (g.remote == 0u) return Status::Ok();
-  *ops = normal_rdma_ops();
+  *ops = normal_nvshmem_ops();
   if (*ops == nullptr)
     return Status::Error("this group has ranks reached by NVSHMEM puts (R > num_max_nvl_peers) but the NVSHMEM "
                          "module's normal-mode kernels are not loaded (jax_ep.initialize with one process per GPU "
@@ -317,7 +314,7 @@ Status transport_ops(const GroupCtx& g, const NormalRdmaOps** ops) {
 
 Status from_message(const char* err) { return err == nullptr ? Status::Ok() : Status::Error(err); }
 
-Status launch_barrier_on(const GroupCtx& g, const NormalRdmaOps* ops, cudaStream_t stream) {
+Status launch_barrier_on(const GroupCtx& g, const NormalNvshmemOps* ops, cudaStream_t stream) {
   if (ops != nullptr) return from_message(ops->barrier(g, stream));
   barrier_kernel<<<1, 32, 0, stream>>>(g);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -326,9 +323,9 @@ Status launch_barrier_on(const GroupCtx& g, const NormalRdmaOps* ops, cudaStream
 
 // The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's
 // rows have arrived here, then copy staging into XLA's outputs with all SMs. Stream order carries the
-// dependencies; only the one-warp kernel spins (see docs/gpu-notes.md on why wide kernels never wait).
+// dependencies; only the one-warp kernel spins (wide kernels never wait: not all of their blocks need be resident).
 Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
-                             const NormalRdmaOps* ops, cudaStream_t stream) {
+                             const NormalNvshmemOps* ops, cudaStream_t stream) {
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->send_and_receive_rows(s, clamp_blocks(num_sms), stream)));
   } else {
@@ -353,13 +350,13 @@ Status preload_kernels() {
 }
 
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
-  const NormalRdmaOps* ops = nullptr;
+  const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(g, &ops));
   return launch_barrier_on(g, ops, stream);
 }
 
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  const NormalRdmaOps* ops = nullptr;
+  const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->dispatch_notify(p, stream)));
@@ -402,7 +399,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
 }
 
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream) {
-  const NormalRdmaOps* ops = nullptr;
+  const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
   JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
   SendArgs s{};
@@ -433,7 +430,7 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
 }
 
 Status launch_combine(const CombineParams& p, cudaStream_t stream) {
-  const NormalRdmaOps* ops = nullptr;
+  const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
   JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
   if (ops != nullptr) {

@@ -267,9 +267,9 @@ Status warmup_group(int64_t id, uint64_t timeout_ns) {
   for (int r = 0; r < n && st.ok(); ++r) {
     if (info.device_ordinals[r] < 0) continue;
     st = CudaStatus(cudaSetDevice(info.device_ordinals[r]), "cudaSetDevice", __FILE__, __LINE__);
-    if (st.ok()) st = routing::preload_kernels();
+    if (st.ok()) st = layout::preload_kernels();
     if (st.ok()) st = normal::preload_kernels();
-    if (st.ok()) st = ll::preload_kernels();
+    if (st.ok()) st = low_latency::preload_kernels();
     if (st.ok() && all_mapped)
       st = CudaStatus(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
                       __FILE__, __LINE__);
@@ -303,17 +303,17 @@ Status group_info(int64_t id, GroupInfo* out) {
 Status bind_axis(const std::string& axis, const AxisBinding& b) {
   if (axis.empty()) return Status::Error("bind_axis: the axis name is empty");
   if (b.set_id < 0) return Status::Error("bind_axis: set_id must be >= 0, got " + std::to_string(b.set_id));
-  if (b.ll_bytes < 0) return Status::Error("bind_axis: ll_bytes must be >= 0, got " + std::to_string(b.ll_bytes));
-  if (b.ll_bytes > 0 && (b.ll_offset < kSignalHeaderBytes || b.ll_offset % kAlign != 0))
-    return Status::Error("bind_axis: ll_offset must be a multiple of " + std::to_string(kAlign) + " and >= " +
-                         std::to_string(kSignalHeaderBytes) + " (staging_plan), got " + std::to_string(b.ll_offset));
+  if (b.low_latency_bytes < 0) return Status::Error("bind_axis: low_latency_bytes must be >= 0, got " + std::to_string(b.low_latency_bytes));
+  if (b.low_latency_bytes > 0 && (b.low_latency_offset < kSignalHeaderBytes || b.low_latency_offset % kAlign != 0))
+    return Status::Error("bind_axis: low_latency_offset must be a multiple of " + std::to_string(kAlign) + " and >= " +
+                         std::to_string(kSignalHeaderBytes) + " (staging_plan), got " + std::to_string(b.low_latency_offset));
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   // Groups of the set that exist now must hold the LL region (handlers check again against the group they find).
   for (auto& [id, g] : registry()) {
-    if (g->info.set_id != b.set_id || b.ll_bytes == 0) continue;
-    if (b.ll_offset + b.ll_bytes > g->info.buffer_bytes)
-      return Status::Error("bind_axis: the low-latency region [" + std::to_string(b.ll_offset) + ", +" +
-                           std::to_string(b.ll_bytes) + ") does not fit group " + std::to_string(id) + "'s " +
+    if (g->info.set_id != b.set_id || b.low_latency_bytes == 0) continue;
+    if (b.low_latency_offset + b.low_latency_bytes > g->info.buffer_bytes)
+      return Status::Error("bind_axis: the low-latency region [" + std::to_string(b.low_latency_offset) + ", +" +
+                           std::to_string(b.low_latency_bytes) + ") does not fit group " + std::to_string(id) + "'s " +
                            std::to_string(g->info.buffer_bytes) + "-byte staging buffer");
   }
   bindings()[axis] = b;

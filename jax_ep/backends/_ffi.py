@@ -29,36 +29,38 @@ def result_type(like, shape, dtype):
     return aval.update(shape=shape, dtype=jnp.dtype(dtype))
 
 
-def _call(target, result_types, *operands, has_side_effect=False, input_output_aliases=None, **attrs):
+def _call(op, result_types, *operands, has_side_effect=False, input_output_aliases=None, **attrs):
+    """One ffi_call of the native target registered for `op` (its versioned name comes from the native module's one
+    list, _native.target_name)."""
     _native.ensure_registered()
-    return jax.ffi.ffi_call(target, result_types, has_side_effect=has_side_effect,
+    return jax.ffi.ffi_call(_native.target_name(op), result_types, has_side_effect=has_side_effect,
                             input_output_aliases=input_output_aliases)(*operands, **attrs)
 
 
 # ---- attributes: one builder; the native side decodes them as one struct per mode (xla_ffi/attrs.h) --------------
 def normal_attrs(cfg, num_ranks: int) -> dict:
     """NormalAttrs: what the normal-mode targets decode. They say *what* (config, axis), never *where*: each
-    device's handler resolves its group and buffers from the axis binding made by jax_ep.initialize. rdma: the
+    device's handler resolves its group and buffers from the axis binding made by jax_ep.initialize. nvshmem: the
     NVSHMEM kernels, cfg.normal_over_nvshmem(R); nvl_domain: num_max_nvl_peers, the ranks they reach by stores."""
     return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
                 num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
                 num_sms=np.int32(cfg.num_sms), timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)),
-                rdma=np.int32(cfg.normal_over_nvshmem(num_ranks)), nvl_domain=np.int32(cfg.num_max_nvl_peers))
+                nvshmem=np.int32(cfg.normal_over_nvshmem(num_ranks)), nvl_domain=np.int32(cfg.num_max_nvl_peers))
 
 
 def low_latency_attrs(cfg, num_ranks: int, use_fp8: bool = False) -> dict:
     """LowLatencyAttrs: what every low-latency target decodes (use_fp8 is ignored by the combine targets; per_rank:
-    cfg.low_latency_mode_for(R); rdma: the NVSHMEM kernels, cfg.low_latency_over_nvshmem(R); nvl_domain:
+    cfg.low_latency_mode_for(R); nvshmem: the NVSHMEM kernels, cfg.low_latency_over_nvshmem(R); nvl_domain:
     cfg.low_latency_nvl_domain(), the ranks those kernels reach by stores)."""
     return dict(axis=str(cfg.axis_name), num_experts=np.int32(cfg.num_experts), hidden=np.int32(cfg.hidden),
                 num_topk=np.int32(cfg.num_topk), max_tokens_per_rank=np.int32(cfg.max_tokens_per_rank),
                 timeout_ns=np.int64(int(cfg.timeout_seconds * 1e9)), use_fp8=np.int32(bool(use_fp8)),
                 per_rank=np.int32(cfg.low_latency_mode_for(num_ranks) == "per_rank"),
-                rdma=np.int32(cfg.low_latency_over_nvshmem(num_ranks)),
+                nvshmem=np.int32(cfg.low_latency_over_nvshmem(num_ranks)),
                 nvl_domain=np.int32(cfg.low_latency_nvl_domain()))
 
 
-# ---- jax_ep_layout_v1 ----------------------------------------------------------------------------------------
+# ---- layout ----------------------------------------------------------------------------------------
 def layout(topk_idx, *, num_experts: int, num_ranks: int):
     """-> (num_tokens_per_rank [R] i32, num_tokens_per_expert [E] i32, is_token_in_rank [T, R] bool)."""
     T = topk_idx.shape[0]
@@ -67,7 +69,7 @@ def layout(topk_idx, *, num_experts: int, num_ranks: int):
         result_type(topk_idx, (num_experts,), jnp.int32),
         result_type(topk_idx, (T, num_ranks), jnp.bool_),
     )
-    return _call("jax_ep_layout_v1", types, topk_idx, num_experts=np.int32(num_experts), num_ranks=np.int32(num_ranks))
+    return _call("layout", types, topk_idx, num_experts=np.int32(num_experts), num_ranks=np.int32(num_ranks))
 
 
 # ---- intranode normal mode (CUDA only) ---------------------------------------------------------------------------
@@ -88,7 +90,7 @@ def match_varying(*xs):
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_local_experts, attrs):
-    """jax_ep_dispatch_v3. x_scales [T, S] f32 (S = 0 for bf16). Returns the 11 results in binding order:
+    """dispatch. x_scales [T, S] f32 (S = 0 for bf16). Returns the 11 results in binding order:
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens, num_recv_tokens_per_expert,
     send_pos, recv_src_idx, recv_src_rank, recv_rank_counts, send_row_offset."""
     x, x_scales, topk_idx, topk_weights = match_varying(x, x_scales, topk_idx, topk_weights)
@@ -110,7 +112,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, *, num_ranks, capacity, num_lo
         result_type(x, (R,), i32),
         result_type(x, (R,), i32),
     )
-    return _call("jax_ep_dispatch_v3", types, x, x_scales, topk_idx, topk_weights, **attrs)
+    return _call("dispatch", types, x, x_scales, topk_idx, topk_weights, **attrs)
 
 
 def _move_rows(target, rows, weights, handle, out_rows, attrs):
@@ -125,13 +127,13 @@ def _move_rows(target, rows, weights, handle, out_rows, attrs):
 
 
 def cached_dispatch(payload, weights, *handle, attrs):
-    """jax_ep_cached_dispatch_v3: payload [T, W] and weights [T, Kw] to the receivers -> ([C, W], [C, Kw])."""
-    return _move_rows("jax_ep_cached_dispatch_v3", payload, weights, handle, handle[1].shape[0], attrs)
+    """cached_dispatch: payload [T, W] and weights [T, Kw] to the receivers -> ([C, W], [C, Kw])."""
+    return _move_rows("cached_dispatch", payload, weights, handle, handle[1].shape[0], attrs)
 
 
 def combine(values, weights, *handle, attrs):
-    """jax_ep_combine_v3: values [C, W] and weights [C, Kw] back to the sources, summed -> ([T, W], [T, Kw])."""
-    return _move_rows("jax_ep_combine_v3", values, weights, handle, handle[0].shape[0], attrs)
+    """combine: values [C, W] and weights [C, Kw] back to the sources, summed -> ([T, W], [T, Kw])."""
+    return _move_rows("combine", values, weights, handle, handle[0].shape[0], attrs)
 
 
 # ---- low-latency mode (CUDA only) --------------------------------------------------------------------------------
@@ -141,13 +143,13 @@ def combine(values, weights, *handle, attrs):
 # (its send would stay in flight on the device) or moving a split send away from its receive. A fused op is a pure
 # function of its operands (send and receive in one call, nothing left in flight): XLA may drop, merge or hoist it
 # like any other op, and it must not carry an effect: JAX runs a program with an effect through its Python dispatch
-# path on every call (no C++ fast path; measured 2026-11-23 on one H100: ~600 us of host time per decode step).
+# path on every call (no C++ fast path: hundreds of microseconds of host time per decode step).
 I32 = jnp.int32
 
 
-def _ll_call(target, result_types, *operands, attrs, split: bool):
+def _low_latency_call(op, result_types, *operands, attrs, split: bool):
     n = len(operands)
-    return _call(target, result_types, *operands, has_side_effect=split,
+    return _call(op, result_types, *operands, has_side_effect=split,
                  input_output_aliases={n - 1: len(result_types) - 1}, **attrs)
 
 
@@ -175,47 +177,47 @@ def _dispatch_result_types(like, *, num_ranks, num_local_experts, attrs):
     )
 
 
-def ll_dispatch(x, topk_idx, state, *, num_ranks, num_local_experts, attrs):
-    """jax_ep_ll_dispatch_v5 (send + receive in one call) -> (recv_x, recv_x_scales [L, rows, S], recv_count,
+def low_latency_dispatch(x, topk_idx, state, *, num_ranks, num_local_experts, attrs):
+    """low_latency_dispatch (send + receive in one call) -> (recv_x, recv_x_scales [L, rows, S], recv_count,
     src_info, layout_range, msg_token [R, M], token_rows [R, M, K], state)."""
     x, topk_idx, state = match_varying(x, topk_idx, state)
     types = _dispatch_result_types(x, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
-    return _ll_call("jax_ep_ll_dispatch_v5", types, x, topk_idx, state, attrs=attrs, split=False)
+    return _low_latency_call("low_latency_dispatch", types, x, topk_idx, state, attrs=attrs, split=False)
 
 
-def ll_dispatch_send(x, topk_idx, state, *, attrs):
-    """jax_ep_ll_dispatch_send_v5 -> (token [4], state)."""
+def low_latency_dispatch_send(x, topk_idx, state, *, attrs):
+    """low_latency_dispatch_send -> (token [4], state)."""
     x, topk_idx, state = match_varying(x, topk_idx, state)
     types = (result_type(x, (4,), I32), result_type(x, (4,), I32))
-    return _ll_call("jax_ep_ll_dispatch_send_v5", types, x, topk_idx, state, attrs=attrs, split=True)
+    return _low_latency_call("low_latency_dispatch_send", types, x, topk_idx, state, attrs=attrs, split=True)
 
 
-def ll_dispatch_recv(token, state, *, num_ranks, num_local_experts, attrs):
-    """jax_ep_ll_dispatch_recv_v5 -> (recv_x, recv_x_scales, recv_count, src_info, layout_range, msg_token,
+def low_latency_dispatch_recv(token, state, *, num_ranks, num_local_experts, attrs):
+    """low_latency_dispatch_recv -> (recv_x, recv_x_scales, recv_count, src_info, layout_range, msg_token,
     token_rows, state)."""
     token, state = match_varying(token, state)
     types = _dispatch_result_types(token, num_ranks=num_ranks, num_local_experts=num_local_experts, attrs=attrs)
-    return _ll_call("jax_ep_ll_dispatch_recv_v5", types, token, state, attrs=attrs, split=True)
+    return _low_latency_call("low_latency_dispatch_recv", types, token, state, attrs=attrs, split=True)
 
 
-def ll_combine(expert_out, src_info, layout_range, msg_token, token_rows, topk_idx, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_v5 (send + receive in one call) -> (y [T, H] bf16, state)."""
+def low_latency_combine(expert_out, src_info, layout_range, msg_token, token_rows, topk_idx, topk_weights, state, *, attrs):
+    """low_latency_combine (send + receive in one call) -> (y [T, H] bf16, state)."""
     ops = match_varying(expert_out, src_info, layout_range, msg_token, token_rows, topk_idx, topk_weights, state)
     T, H = topk_idx.shape[0], int(attrs["hidden"])
     types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_v5", types, *ops, attrs=attrs, split=False)
+    return _low_latency_call("low_latency_combine", types, *ops, attrs=attrs, split=False)
 
 
-def ll_combine_send(expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_send_v5 -> (token [4], state). topk_weights: pushed to the expert ranks (per_rank)."""
+def low_latency_combine_send(expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state, *, attrs):
+    """low_latency_combine_send -> (token [4], state). topk_weights: pushed to the expert ranks (per_rank)."""
     ops = match_varying(expert_out, src_info, layout_range, msg_token, token_rows, topk_weights, state)
     types = (result_type(ops[0], (4,), I32), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_send_v5", types, *ops, attrs=attrs, split=True)
+    return _low_latency_call("low_latency_combine_send", types, *ops, attrs=attrs, split=True)
 
 
-def ll_combine_recv(token, topk_idx, topk_weights, state, *, attrs):
-    """jax_ep_ll_combine_recv_v5 -> (y [T, H] bf16, state)."""
+def low_latency_combine_recv(token, topk_idx, topk_weights, state, *, attrs):
+    """low_latency_combine_recv -> (y [T, H] bf16, state)."""
     ops = match_varying(token, topk_idx, topk_weights, state)
     T, H = topk_idx.shape[0], int(attrs["hidden"])
     types = (result_type(ops[0], (T, H), jnp.bfloat16), result_type(ops[0], (4,), I32))
-    return _ll_call("jax_ep_ll_combine_recv_v5", types, *ops, attrs=attrs, split=True)
+    return _low_latency_call("low_latency_combine_recv", types, *ops, attrs=attrs, split=True)

@@ -1,8 +1,8 @@
 """The Backend protocol: what the ops modules call after validation, inside shard_map over cfg.axis_name.
 
-Every function takes the config and R = num_ranks (static). Results are the NamedTuples of jax_ep/handle.py, filled
+Every function takes the config and R = num_ranks (static). Results are the NamedTuples of jax_ep/types.py, filled
 identically by every backend (docs/SPEC.md: dispatch outputs bit-identical, combine within f32 tolerance).
-Low-latency functions take a LowLatencyState and return the next one (jax_ep/low_latency_order.py); "buffers" are
+Low-latency functions take a LowLatencyState and return the next one (jax_ep/low_latency_chain.py); "buffers" are
 backend-private arrays a split send hands to its receive.
 """
 
@@ -13,8 +13,8 @@ from typing import Optional, Protocol
 import jax
 
 from ..config import EPConfig
-from ..handle import DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput, LowLatencyHandle
-from ..handle import LowLatencyState
+from ..types import DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput, LowLatencyHandle
+from ..types import LowLatencyState
 
 Array = jax.Array
 
@@ -33,27 +33,27 @@ class Backend(Protocol):
                 num_ranks: int) -> tuple[Array, Optional[Array]]: ...
 
     # low-latency mode
-    def ll_dispatch(self, x: Array, topk_idx: Array, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
+    def low_latency_dispatch(self, x: Array, topk_idx: Array, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
                     use_fp8: bool) -> tuple[LowLatencyDispatchOutput, LowLatencyState]: ...
 
-    def ll_dispatch_send(self, x: Array, topk_idx: Array, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
+    def low_latency_dispatch_send(self, x: Array, topk_idx: Array, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
                          use_fp8: bool) -> tuple[tuple, LowLatencyState]: ...
 
-    def ll_dispatch_recv(self, buffers: tuple, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
+    def low_latency_dispatch_recv(self, buffers: tuple, state: LowLatencyState, cfg: EPConfig, num_ranks: int,
                          use_fp8: bool) -> tuple[LowLatencyDispatchOutput, LowLatencyState]: ...
 
-    def ll_combine(self, expert_out: Array, topk_idx: Array, topk_weights: Array, handle: LowLatencyHandle,
+    def low_latency_combine(self, expert_out: Array, topk_idx: Array, topk_weights: Array, handle: LowLatencyHandle,
                    state: LowLatencyState, cfg: EPConfig, num_ranks: int) -> tuple[Array, LowLatencyState]: ...
 
-    def ll_combine_send(self, expert_out: Array, topk_idx: Array, topk_weights: Array, handle: LowLatencyHandle,
+    def low_latency_combine_send(self, expert_out: Array, topk_idx: Array, topk_weights: Array, handle: LowLatencyHandle,
                         state: LowLatencyState, cfg: EPConfig, num_ranks: int) -> tuple[tuple, LowLatencyState]: ...
 
-    def ll_combine_recv(self, buffers: tuple, state: LowLatencyState, cfg: EPConfig,
+    def low_latency_combine_recv(self, buffers: tuple, state: LowLatencyState, cfg: EPConfig,
                         num_ranks: int) -> tuple[Array, LowLatencyState]: ...
 
     # gradients of the low-latency ops
-    def ll_dispatch_transpose(self, cot_rows: Array, topk_idx: Array, handle: LowLatencyHandle, cfg: EPConfig,
+    def low_latency_dispatch_transpose(self, cot_rows: Array, topk_idx: Array, handle: LowLatencyHandle, cfg: EPConfig,
                               num_ranks: int) -> Array: ...
 
-    def ll_combine_transpose(self, dy: Array, expert_out: Array, topk_idx: Array, topk_weights: Array,
+    def low_latency_combine_transpose(self, dy: Array, expert_out: Array, topk_idx: Array, topk_weights: Array,
                              handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int) -> tuple[Array, Array]: ...

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..config import EPConfig
-from ..handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput, LowLatencyHandle,
+from ..types import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput, LowLatencyHandle,
                       LowLatencyState)
-from ..low_latency_order import initial
+from ..low_latency_chain import initial
 from . import _ffi, reference
 
 BF16 = jnp.bfloat16
@@ -58,7 +58,7 @@ def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: i
     return y, (y_w if weights is not None else None)
 
 
-# ---- low-latency mode: every op threads the state (low_latency_order.py); the kernels apply the same rules ------
+# ---- low-latency mode: every op threads the state (low_latency_chain.py); the kernels apply the same rules ------
 def _dispatch_output(results, use_fp8: bool, per_rank: bool):
     recv_x, scales, count, src_info, layout_range, msg_token, token_rows, state = results
     handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range,
@@ -79,53 +79,53 @@ def _tables(handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
     return (jnp.zeros((num_ranks, 0), I32), jnp.zeros((num_ranks, 0, cfg.num_topk), I32))
 
 
-def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
-    results = _ffi.ll_dispatch(x, topk_idx.astype(I32), state.value, num_ranks=num_ranks,
+def low_latency_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+    results = _ffi.low_latency_dispatch(x, topk_idx.astype(I32), state.value, num_ranks=num_ranks,
                                num_local_experts=cfg.num_local_experts(num_ranks),
                                attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
     return _dispatch_output(results, use_fp8, _per_rank(cfg, num_ranks))
 
 
-def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def low_latency_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     """-> ((token,), next state)."""
-    token, st = _ffi.ll_dispatch_send(x, topk_idx.astype(I32), state.value,
+    token, st = _ffi.low_latency_dispatch_send(x, topk_idx.astype(I32), state.value,
                                       attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
     return (token,), LowLatencyState(st)
 
 
-def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def low_latency_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     (token,) = buffers
-    results = _ffi.ll_dispatch_recv(token, state.value, num_ranks=num_ranks,
+    results = _ffi.low_latency_dispatch_recv(token, state.value, num_ranks=num_ranks,
                                     num_local_experts=cfg.num_local_experts(num_ranks),
                                     attrs=_ffi.low_latency_attrs(cfg, num_ranks, use_fp8))
     return _dispatch_output(results, use_fp8, _per_rank(cfg, num_ranks))
 
 
-def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
+def low_latency_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
                num_ranks: int):
-    y, st = _ffi.ll_combine(expert_out, handle.src_info, handle.layout_range, *_tables(handle, cfg, num_ranks),
+    y, st = _ffi.low_latency_combine(expert_out, handle.src_info, handle.layout_range, *_tables(handle, cfg, num_ranks),
                             topk_idx.astype(I32), topk_weights.astype(F32), state.value,
                             attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return y, LowLatencyState(st)
 
 
-def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
+def low_latency_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
                     cfg: EPConfig, num_ranks: int):
     """-> ((token, topk_idx, topk_weights), next state): the receive needs the routing again."""
-    token, st = _ffi.ll_combine_send(expert_out, handle.src_info, handle.layout_range,
+    token, st = _ffi.low_latency_combine_send(expert_out, handle.src_info, handle.layout_range,
                                      *_tables(handle, cfg, num_ranks), topk_weights.astype(F32), state.value,
                                      attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return (token, topk_idx.astype(I32), topk_weights.astype(F32)), LowLatencyState(st)
 
 
-def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
+def low_latency_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
     token, topk_idx, topk_weights = buffers
-    y, st = _ffi.ll_combine_recv(token, topk_idx, topk_weights, state.value,
+    y, st = _ffi.low_latency_combine_recv(token, topk_idx, topk_weights, state.value,
                                  attrs=_ffi.low_latency_attrs(cfg, num_ranks))
     return y, LowLatencyState(st)
 
 
-def ll_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+def low_latency_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
     """d x of bf16 LL dispatch = an LL combine of the row cotangents with weight 1 on the first k naming each
     distinct expert (a token sent once to an expert gets that row's cotangent once). A fused op: its own state."""
     idx = reference.sanitize_topk(topk_idx, cfg.num_experts)
@@ -133,12 +133,12 @@ def ll_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPC
     earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # earlier[k, j]: j < k
     repeated = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier[None], axis=2)
     weights = ((idx >= 0) & ~repeated).astype(F32)
-    y, _ = ll_combine(cot_rows.astype(BF16), idx, weights, handle, initial(), cfg, num_ranks)
+    y, _ = low_latency_combine(cot_rows.astype(BF16), idx, weights, handle, initial(), cfg, num_ranks)
     return y
 
 
-def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
+def low_latency_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
                          num_ranks: int):
     """(d expert_out, d topk_weights) of LL combine. NOTE: moves data with the reference backend's XLA collectives
     (no dedicated kernel yet); results are the reference's exactly."""
-    return reference.ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle, cfg, num_ranks)
+    return reference.low_latency_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle, cfg, num_ranks)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import fp8
-from .. import low_latency_order as ll_state
+from .. import low_latency_chain as state_order
 from ..config import EPConfig
-from ..handle import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput,
+from ..types import (DispatchHandle, DispatchLayout, DispatchOutput, LowLatencyDispatchOutput,
                       LowLatencyHandle, LowLatencyState)
 
 I32 = jnp.int32
@@ -43,8 +43,8 @@ def stable_argsort(keys: jax.Array, axis: int = -1) -> jax.Array:
     """argsort that keeps equal keys in index order, by sorting unique composite keys (key, index).
 
     NOTE: does not rely on the sort's own stability flag: on XLA:GPU a stable argsort of boolean keys at a few
-    hundred elements put rows of one source rank out of order (seen 2026-11-21, jax 0.11.2), which made the
-    low-latency reference misattribute rows.
+    hundred elements has put rows of one source rank out of order (jax 0.11.2), which would misattribute
+    low-latency rows.
     """
     keys = jnp.asarray(keys, I32)
     n = keys.shape[axis]
@@ -198,13 +198,13 @@ def combine(values, weights, handle: DispatchHandle, cfg: EPConfig, num_ranks: i
 # ----------------------------------------------------------------------------------------------------------------
 # Low-latency mode
 # ----------------------------------------------------------------------------------------------------------------
-def _ll_slot_mask(idx, cfg: EPConfig, num_ranks: int) -> jax.Array:
+def _low_latency_slot_mask(idx, cfg: EPConfig, num_ranks: int) -> jax.Array:
     """[T, K] sanitized ids -> [R, L, T_max] bool: token t goes to local expert l of rank r."""
     mask = _expert_mask(idx, cfg.num_experts).T.reshape(num_ranks, -1, idx.shape[0])
     return _pad_tokens(mask, cfg.max_tokens_per_rank, axis=2)
 
 
-def _ll_row_slots(layout_range: jax.Array, src_info: jax.Array, t_max: int):
+def _low_latency_row_slots(layout_range: jax.Array, src_info: jax.Array, t_max: int):
     """Per row (l, i): the (source rank, token) slot it came from, and whether the row is valid."""
     ends = jnp.cumsum(layout_range, axis=1)  # [L, R]
     rows = jnp.arange(src_info.shape[1], dtype=I32)
@@ -214,19 +214,19 @@ def _ll_row_slots(layout_range: jax.Array, src_info: jax.Array, t_max: int):
     return src, jnp.where(valid, src_info, t_max), valid
 
 
-def ll_to_experts(slots, slot_mask, cfg: EPConfig, num_ranks: int):
+def low_latency_to_experts(slots, slot_mask, cfg: EPConfig, num_ranks: int):
     """Sender slots [R, L, T_max, ...] + mask -> per-expert rows [L, R*T_max, ...] and the handle.
 
     Rows of an expert are ordered by source rank, then token index; invalid rows are zero, src_info -1.
     """
-    return _ll_compact(_exchange(slots, cfg), _exchange(slot_mask, cfg), cfg, num_ranks)
+    return _low_latency_compact(_exchange(slots, cfg), _exchange(slot_mask, cfg), cfg, num_ranks)
 
 
-def ll_to_sources(rows, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+def low_latency_to_sources(rows, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
     """Per-expert rows [L, R*T_max, ...] -> on each source rank [R_owner, L, T_max, ...] (f32; missing = 0)."""
     t_max = cfg.max_tokens_per_rank
     num_local = rows.shape[0]
-    src, token, _ = _ll_row_slots(handle.layout_range, handle.src_info, t_max)
+    src, token, _ = _low_latency_row_slots(handle.layout_range, handle.src_info, t_max)
     buf = jnp.zeros((num_ranks, num_local, t_max) + rows.shape[2:], jnp.float32)
     experts = jnp.broadcast_to(jnp.arange(num_local)[:, None], src.shape)
     buf = buf.at[src, experts, token].set(rows.astype(jnp.float32), mode="drop")
@@ -247,12 +247,12 @@ def _masked_weights(idx, topk_weights):
     return jnp.where(idx >= 0, topk_weights.astype(jnp.float32), 0.0)
 
 
-# The state machine of low_latency_order.py: the reference backend moves data with XLA collectives (no shared
+# The state machine of low_latency_chain.py: the reference backend moves data with XLA collectives (no shared
 # buffers, nothing to deadlock) but applies the same state transitions, so both backends report the same errors.
-def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def low_latency_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     """-> (buffers: the exchanged slots + mask, next state)."""
     idx = sanitize_topk(topk_idx, cfg.num_experts)
-    mask = _ll_slot_mask(idx, cfg, num_ranks)  # [R, L, T_max]
+    mask = _low_latency_slot_mask(idx, cfg, num_ranks)  # [R, L, T_max]
     payload = fp8.quantize_blocks(x) if use_fp8 else (x,)
     slots = []
     for part in payload:  # x (bf16) or (q, scales)
@@ -262,7 +262,7 @@ def ll_dispatch_send(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ran
     buffers = tuple(_exchange(s, cfg) for s in slots) + (_exchange(mask, cfg),)
     if cfg.low_latency_mode_for(num_ranks) == "per_rank":  # the message headers: every source's routing
         buffers += (_broadcast(_pad_rows(idx, cfg.max_tokens_per_rank, -1), cfg, num_ranks),)
-    return buffers, ll_state.after_send(state)
+    return buffers, state_order.after_send(state)
 
 
 def _pad_rows(a, t_max, value):
@@ -274,25 +274,25 @@ def _broadcast(a, cfg: EPConfig, num_ranks: int):
     return _exchange(jnp.broadcast_to(a[None], (num_ranks,) + a.shape), cfg)
 
 
-def ll_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def low_latency_dispatch_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     """-> (LowLatencyDispatchOutput, next state)."""
-    return _ll_unpack(buffers, cfg, num_ranks, use_fp8), ll_state.after_recv(state)
+    return _low_latency_unpack(buffers, cfg, num_ranks, use_fp8), state_order.after_recv(state)
 
 
-def ll_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
+def low_latency_dispatch(x, topk_idx, state: LowLatencyState, cfg: EPConfig, num_ranks: int, use_fp8: bool):
     """Fused dispatch: send and receive in one op (one state step)."""
-    buffers, _ = ll_dispatch_send(x, topk_idx, state, cfg, num_ranks, use_fp8)
-    return _ll_unpack(buffers, cfg, num_ranks, use_fp8), ll_state.after_fused(state)
+    buffers, _ = low_latency_dispatch_send(x, topk_idx, state, cfg, num_ranks, use_fp8)
+    return _low_latency_unpack(buffers, cfg, num_ranks, use_fp8), state_order.after_fused(state)
 
 
-def _ll_unpack(buffers, cfg, num_ranks, use_fp8) -> LowLatencyDispatchOutput:
+def _low_latency_unpack(buffers, cfg, num_ranks, use_fp8) -> LowLatencyDispatchOutput:
     per_rank = cfg.low_latency_mode_for(num_ranks) == "per_rank"
     if per_rank:
         *buffers, src_idx = buffers
-    *received, recv_mask = buffers  # already exchanged by ll_dispatch_send
+    *received, recv_mask = buffers  # already exchanged by low_latency_dispatch_send
     rows_list, recv_count, handle = [], None, None
     for part in received:
-        rows, recv_count, handle = _ll_compact(part, recv_mask, cfg, num_ranks)
+        rows, recv_count, handle = _low_latency_compact(part, recv_mask, cfg, num_ranks)
         rows_list.append(rows)
     if per_rank:
         msg_token, token_rows = _per_rank_tables(src_idx, recv_mask, cfg, num_ranks)
@@ -301,8 +301,8 @@ def _ll_unpack(buffers, cfg, num_ranks, use_fp8) -> LowLatencyDispatchOutput:
     return LowLatencyDispatchOutput(recv_x=rows_list[0], recv_x_scales=scales, recv_count=recv_count, handle=handle)
 
 
-def _ll_compact(recv, recv_mask, cfg, num_ranks):
-    """Receiver side of ll_to_experts: exchanged slots [R_src, L, T_max, ...] -> rows [L, R*T_max, ...]."""
+def _low_latency_compact(recv, recv_mask, cfg, num_ranks):
+    """Receiver side of low_latency_to_experts: exchanged slots [R_src, L, T_max, ...] -> rows [L, R*T_max, ...]."""
     num_local, t_max = recv_mask.shape[1], cfg.max_tokens_per_rank
     flat_mask = jnp.swapaxes(recv_mask, 0, 1).reshape(num_local, num_ranks * t_max)
     order = stable_argsort(~flat_mask, axis=1)  # valid slots first, in (source rank, token) order
@@ -316,32 +316,32 @@ def _ll_compact(recv, recv_mask, cfg, num_ranks):
     return rows, recv_count, handle
 
 
-def ll_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
+def low_latency_combine_send(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState,
                     cfg: EPConfig, num_ranks: int):
     """-> (buffers: rows back at their sources + the routing, next state)."""
     idx = sanitize_topk(topk_idx, cfg.num_experts)
     if cfg.low_latency_mode_for(num_ranks) == "per_rank":
-        return _per_rank_partials(expert_out, idx, topk_weights, handle, cfg, num_ranks), ll_state.after_send(state)
-    back = ll_to_sources(expert_out, handle, cfg, num_ranks)
-    return (back, idx, _masked_weights(idx, topk_weights)), ll_state.after_send(state)
+        return _per_rank_partials(expert_out, idx, topk_weights, handle, cfg, num_ranks), state_order.after_send(state)
+    back = low_latency_to_sources(expert_out, handle, cfg, num_ranks)
+    return (back, idx, _masked_weights(idx, topk_weights)), state_order.after_send(state)
 
 
-def ll_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
+def low_latency_combine_recv(buffers, state: LowLatencyState, cfg: EPConfig, num_ranks: int):
     """-> (y [T, H] bf16, next state)."""
-    return _ll_combine_sum(buffers, cfg, num_ranks), ll_state.after_recv(state)
+    return _low_latency_combine_sum(buffers, cfg, num_ranks), state_order.after_recv(state)
 
 
-def ll_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
+def low_latency_combine(expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, state: LowLatencyState, cfg: EPConfig,
                num_ranks: int):
     """Fused combine: send and receive in one op (one state step)."""
-    buffers, _ = ll_combine_send(expert_out, topk_idx, topk_weights, handle, state, cfg, num_ranks)
-    return _ll_combine_sum(buffers, cfg, num_ranks), ll_state.after_fused(state)
+    buffers, _ = low_latency_combine_send(expert_out, topk_idx, topk_weights, handle, state, cfg, num_ranks)
+    return _low_latency_combine_sum(buffers, cfg, num_ranks), state_order.after_fused(state)
 
 
-def _ll_combine_sum(buffers, cfg: EPConfig, num_ranks: int):
+def _low_latency_combine_sum(buffers, cfg: EPConfig, num_ranks: int):
     if cfg.low_latency_mode_for(num_ranks) == "per_rank":
         return _per_rank_sum(buffers, cfg, num_ranks)
-    return _ll_weighted_sum(buffers, num_ranks)
+    return _low_latency_weighted_sum(buffers, num_ranks)
 
 
 # ---- per_rank mode (EPConfig.low_latency_mode): one message per (token, destination rank) ------------------------
@@ -401,23 +401,23 @@ def _per_rank_sum(buffers, cfg: EPConfig, num_ranks: int):
     return y.astype(jnp.bfloat16)
 
 
-def _ll_weighted_sum(buffers, num_ranks):
+def _low_latency_weighted_sum(buffers, num_ranks):
     back, idx, weights = buffers
     per_pair = _per_pair(back, idx, num_ranks)  # [T, K, H] f32
     return jnp.einsum("tk,tkh->th", weights, per_pair, precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
 
 
-def ll_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
+def low_latency_dispatch_transpose(cot_rows, topk_idx, handle: LowLatencyHandle, cfg: EPConfig, num_ranks: int):
     """d x for bf16 LL dispatch: each token gets the sum of its rows' cotangents (once per distinct expert)."""
     idx = sanitize_topk(topk_idx, cfg.num_experts)
-    back = ll_to_sources(cot_rows, handle, cfg, num_ranks)  # [R, L, T_max, H]
+    back = low_latency_to_sources(cot_rows, handle, cfg, num_ranks)  # [R, L, T_max, H]
     num_tokens = idx.shape[0]
     mask = _expert_mask(idx, cfg.num_experts)  # [T, E]
     per_expert = back[:, :, :num_tokens].reshape(cfg.num_experts, num_tokens, -1)  # [E, T, H]
     return jnp.einsum("te,eth->th", mask.astype(jnp.float32), per_expert, precision=lax.Precision.HIGHEST)
 
 
-def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
+def low_latency_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLatencyHandle, cfg: EPConfig,
                          num_ranks: int):
     """(d expert_out, d topk_weights) of low_latency_combine."""
     idx = sanitize_topk(topk_idx, cfg.num_experts)
@@ -427,7 +427,7 @@ def ll_combine_transpose(dy, expert_out, topk_idx, topk_weights, handle: LowLate
     coeff = jnp.einsum("tk,tke->et", _masked_weights(idx, topk_weights), onehot, precision=lax.Precision.HIGHEST)
     per_slot = coeff[:, :, None] * dy[None]  # [E, T, H]
     slots = _pad_tokens(per_slot.reshape(num_ranks, -1, *per_slot.shape[1:]), cfg.max_tokens_per_rank, axis=2)
-    d_rows, _, _ = ll_to_experts(slots, _ll_slot_mask(idx, cfg, num_ranks), cfg, num_ranks)
-    back = ll_to_sources(expert_out, handle, cfg, num_ranks)
+    d_rows, _, _ = low_latency_to_experts(slots, _low_latency_slot_mask(idx, cfg, num_ranks), cfg, num_ranks)
+    back = low_latency_to_sources(expert_out, handle, cfg, num_ranks)
     d_weights = jnp.einsum("th,tkh->tk", dy, _per_pair(back, idx, num_ranks), precision=lax.Precision.HIGHEST)
     return d_rows.astype(expert_out.dtype), jnp.where(idx >= 0, d_weights, 0.0)

@@ -4,7 +4,7 @@
     python -m jax_ep.bench --mode low_latency                               # T=128 H=7168 K=8 E=288
     python -m jax_ep.bench --out bench_out                                  # JSON + PNG plot there
 
-Method (docs/BENCHMARKS.md, "Method and targets"): per op, a jitted, unrolled loop of N chained calls, wall time / N, median of several loops;
+Method (docs/BENCHMARKS.md, "Method"): per op, a jitted, unrolled loop of N chained calls, wall time / N, median of several loops;
 bandwidth = bytes of rows this rank receives (local rows included; fp8 counts 1 byte per element + 4 per 128
 channels) / time, averaged over ranks. Without GPUs it runs small shapes on 8 emulated CPU devices and says so.
 """
@@ -30,35 +30,45 @@ from .contenders import low_latency_contenders, normal_contenders  # noqa: E402
 from .harness import time_op  # noqa: E402
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each option's default after its help (unless the help states it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, "", argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args(argv, on_gpu):
     p = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["normal", "low_latency", "all"], default="all")
-    p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (normal mode sweep)")
-    p.add_argument("--ll-tokens", default=None, help="comma-separated tokens per rank (low-latency sweep)")
+                                formatter_class=_Formatter)
+    p.add_argument("--mode", choices=["normal", "low_latency", "all"], default="all", help="which ops to time")
+    p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (normal mode sweep; default 4096 on GPUs, 16,64 on CPU)")
+    p.add_argument("--ll-tokens", default=None, help="comma-separated tokens per rank (low-latency sweep; default 128 on GPUs, 16 on CPU)")
     p.add_argument("--ll-mode", default="per_expert",
                    help="comma-separated EPConfig.low_latency_mode values to run (per_expert, per_rank, auto), or "
                         "nvshmem: per_expert with allow_nvlink_for_low_latency=False (NVSHMEM puts; one process per "
                         "GPU, e.g. JAX_EP_TRANSPORT=nvshmem python -m jax_ep.launch -n 1 -m jax_ep.bench ...; not "
                         "together with the other values: the configs of one axis must agree)")
-    p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256)
-    p.add_argument("--topk", type=int, default=8 if on_gpu else 4)
-    p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="normal mode experts")
-    p.add_argument("--ll-experts", type=int, default=288 if on_gpu else 32, help="low-latency experts")
+    p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256, help="H, channels per token (default 7168 on GPUs, 256 on CPU)")
+    p.add_argument("--topk", type=int, default=8 if on_gpu else 4, help="K, experts per token (default 8 on GPUs, 4 on CPU)")
+    p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="E of the normal-mode configs (default 256 on GPUs, 32 on CPU)")
+    p.add_argument("--ll-experts", type=int, default=288 if on_gpu else 32, help="E of the low-latency configs (default 288 on GPUs, 32 on CPU)")
     p.add_argument("--ranks", type=int, default=None, help="EP size (default: all devices)")
     p.add_argument("--calls", type=int, default=20, help="chained calls per timed loop (N >= 20)")
     p.add_argument("--loops", type=int, default=5, help="timed loops; the median is reported")
-    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--num-sms", type=int, default=24, help="EPConfig.num_sms of the normal-mode kernels")
     p.add_argument("--nvl", type=int, default=8,
                    help="EPConfig.num_max_nvl_peers; below the EP size the low-latency ops run the NVSHMEM kernels "
                         "with NVSHMEM puts between the simulated nodes (one process per GPU; docs/INTERNODE.md)")
-    p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    p.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto", help="EPConfig.backend of jax_ep's contenders")
     p.add_argument("--no-warmup-ops", action="store_true",
                    help="jax_ep.initialize(..., warmup_ops=False): no warm-up execution of the ops before the first call "
                         "(to see what it buys in the 'first call / steady' column)")
-    p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders")
+    p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders (default: all)")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random routing and inputs")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in (args.tokens or ("4096" if on_gpu else "16,64")).split(",")]
     args.ll_tokens = [int(t) for t in (args.ll_tokens or ("128" if on_gpu else "16")).split(",")]
@@ -85,8 +95,12 @@ def main(argv=None):
                f"{len(devices)} emulated CPU devices on {platform.machine()} (small shapes; not GPU numbers)")
     model = f"multi-process ({nproc} processes, jax_ep.launch)" if nproc > 1 else "single process"
     print(f"jax_ep.bench on {machine}; jax {jax.__version__}; process model: {model}")
+    with_ragged = bool(gpus) and nproc == 1
     if not gpus:
         print("note: XLA:CPU has no ragged_all_to_all, so the ragged baselines are skipped on CPU")
+    elif nproc > 1:
+        print("note: ragged_all_to_all cannot run with one process per GPU (XLA: 'RaggedAllToAll fallback to NCCL is "
+              "not allowed'), so the ragged baselines are skipped; the padded all_to_all runs")
     rng = np.random.default_rng(args.seed)
     only = [s for s in args.only.split(",") if s]
     results = []
@@ -99,10 +113,10 @@ def main(argv=None):
     for mode, tokens, experts, ll_mode in sweeps:
         if mode == "normal":
             cases = normal_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
-                                      num_sms=args.num_sms, with_ragged=bool(gpus), nvl=args.nvl)
+                                      num_sms=args.num_sms, with_ragged=with_ragged, nvl=args.nvl)
         else:
             cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
-                                           backend=args.backend, num_sms=args.num_sms, with_ragged=bool(gpus),
+                                           backend=args.backend, num_sms=args.num_sms, with_ragged=with_ragged,
                                            ll_mode=ll_mode, nvl=args.nvl)
         cases = [c for c in cases if not only or any(s in c.name for s in only)]
         for i, case in enumerate(cases):

@@ -11,7 +11,7 @@ then per operation (name up to its first '(' or '<'): launches, median duration;
 operations: the median gap between the first one's end and the second one's start. A period well above the sum of
 the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
 
-With JAX_EP_TEST_LL_PHASES=1 in the environment (before initialize) the NVSHMEM low-latency kernels also stamp named
+With JAX_EP_TEST_LOW_LATENCY_PHASES=1 in the environment (before initialize) the NVSHMEM low-latency kernels also stamp named
 points (nvshmem/device/phase_stamps.cuh) and the report adds, per phase, the mean time from a block's start.
 """
 
@@ -56,7 +56,7 @@ def gap_report(ops) -> tuple[dict, dict, float]:
 
 
 # The one kernel per call that starts its data movement: LL dispatch / combine send kernels, normal mode's
-# (rdma_)send_rows_kernel and (rdma_)combine_send_kernel (not the forwarders, which run after them).
+# (nvshmem_)send_rows_kernel and (nvshmem_)combine_send_kernel (not the forwarders, which run after them).
 _SEND = re.compile(r"send(_rows)?_kernel")
 
 
@@ -83,13 +83,13 @@ def phase_table(rows) -> list:
 
 
 def _phase_reader():
-    """The NVSHMEM module's test_ll_phases when JAX_EP_TEST_LL_PHASES=1 and the module has it, else None."""
-    if os.environ.get("JAX_EP_TEST_LL_PHASES") != "1":
+    """The NVSHMEM module's test_low_latency_phases when JAX_EP_TEST_LOW_LATENCY_PHASES=1 and the module has it, else None."""
+    if os.environ.get("JAX_EP_TEST_LOW_LATENCY_PHASES") != "1":
         return None
     from jax_ep.runtime import nvshmem as nvshmem_runtime
 
     try:
-        return getattr(nvshmem_runtime.module(), "test_ll_phases", None)
+        return getattr(nvshmem_runtime.module(), "test_low_latency_phases", None)
     except Exception:  # no NVSHMEM module in this build
         return None
 

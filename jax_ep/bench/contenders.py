@@ -175,7 +175,7 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
     idx = to_global(idx, mesh, P(AXIS))
     spec = P(AXIS)
 
-    def ll_dispatch(x, idx):
+    def low_latency_dispatch(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=True).recv_x
 
     def prepare(x, i):
@@ -184,7 +184,7 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
 
     recv_x, handle = jax.jit(jax.shard_map(prepare, mesh=mesh, in_specs=(spec,) * 2, out_specs=spec))(x, idx)
 
-    def ll_combine(expert_out, idx, w, handle):
+    def low_latency_combine(expert_out, idx, w, handle):
         return jax_ep.low_latency_combine(expert_out, idx, w, handle, cfg)
 
     def ll_dispatch_bf16(x, idx):
@@ -192,11 +192,11 @@ def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend,
 
     fp8_bytes, bf16_bytes = pairs * (hidden + hidden // FP8_BLOCK * 4), pairs * hidden * 2
     cases = [
-        Case("jax_ep LL dispatch fp8" + tag, "jax_ep", "dispatch", ll_dispatch, (x, idx), mesh, (spec,) * 2,
+        Case("jax_ep LL dispatch fp8" + tag, "jax_ep", "dispatch", low_latency_dispatch, (x, idx), mesh, (spec,) * 2,
              fp8_bytes, first_call=True),
         Case("jax_ep LL dispatch bf16" + tag, "jax_ep", "dispatch bf16", ll_dispatch_bf16, (x, idx), mesh,
              (spec,) * 2, bf16_bytes),
-        Case("jax_ep LL combine bf16" + tag, "jax_ep", "combine", ll_combine, (recv_x, idx, w, handle),
+        Case("jax_ep LL combine bf16" + tag, "jax_ep", "combine", low_latency_combine, (recv_x, idx, w, handle),
              mesh, (spec,) * 4, bf16_bytes, first_call=True),
     ]
     if ll_mode != "per_expert":

@@ -1,4 +1,4 @@
-"""Timing method of docs/BENCHMARKS.md ("Method and targets"): a jitted loop of N back-to-back calls, median of several loops.
+"""Timing method of docs/BENCHMARKS.md ("Method"): a jitted loop of N back-to-back calls, median of several loops.
 
 Each loop carries the op's input and writes one row of the op's output back into it (an in-place
 dynamic-update-slice), so every call depends on the previous one: nothing is loop-invariant, nothing is dead.

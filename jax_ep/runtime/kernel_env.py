@@ -4,13 +4,13 @@ The kernels read them once per process; `jax_ep.initialize` validates them here 
 puts them into the fingerprint every process of a job must agree on (agreement.py), because ranks that differ would
 not understand each other's messages.
 
-- JAX_EP_LL_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/ll_rdma.cu),
+- JAX_EP_LOW_LATENCY_PUT_BYTES: bytes per counted message of the NVSHMEM low-latency dispatch (nvshmem/device/low_latency.cu),
   and the most bytes per counted put of a combine row to a remote rank (the combine picks smaller parts when rows
   are few).
   A multiple of 2048 from 2048 to 65536; default 8192 (at H=7168: 2 puts-with-signal per bf16 row, 1 per fp8 row,
   each from its own warp). Smaller values split a row into more counted puts (more signals, more ordering points on
-  P2P and more NIC work requests); larger ones leave fewer, longer puts per warp (docs/INTERNODE.md says which
-  was measured).
+  P2P and more NIC work requests); larger ones leave fewer, longer puts per warp (docs/BENCHMARKS.md has
+  the measurements).
   The kernels read it once per process, at their first launch: set it before the program starts (the launcher
   passes the environment to every process), not between calls.
 """
@@ -21,28 +21,28 @@ import os
 
 from ..errors import EPError
 
-ENV_LL_PUT_BYTES = "JAX_EP_LL_PUT_BYTES"
-LL_PUT_BYTES_DEFAULT = 8192
-LL_PUT_BYTES_STEP = 2048
-LL_PUT_BYTES_MAX = 65536
+ENV_LOW_LATENCY_PUT_BYTES = "JAX_EP_LOW_LATENCY_PUT_BYTES"
+LOW_LATENCY_PUT_BYTES_DEFAULT = 8192
+LOW_LATENCY_PUT_BYTES_STEP = 2048
+LOW_LATENCY_PUT_BYTES_MAX = 65536
 
 
-def ll_put_bytes(environ=None) -> int:
-    """The value the NVSHMEM LL dispatch kernels use: JAX_EP_LL_PUT_BYTES or the default; EPError when invalid."""
+def low_latency_put_bytes(environ=None) -> int:
+    """The value the NVSHMEM LL dispatch kernels use: JAX_EP_LOW_LATENCY_PUT_BYTES or the default; EPError when invalid."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_LL_PUT_BYTES, "").strip()
+    raw = environ.get(ENV_LOW_LATENCY_PUT_BYTES, "").strip()
     if not raw:
-        return LL_PUT_BYTES_DEFAULT
+        return LOW_LATENCY_PUT_BYTES_DEFAULT
     # ASCII digits only: the kernels parse the variable with atoi, which stops at the first other character ("4_096"
     # would be 4 there and 4096 for int()), and the fingerprint must hold the value the kernels use
     value = int(raw) if raw.isascii() and raw.isdigit() else -1
-    if not (LL_PUT_BYTES_STEP <= value <= LL_PUT_BYTES_MAX and value % LL_PUT_BYTES_STEP == 0):
-        raise EPError(f"jax_ep.initialize: {ENV_LL_PUT_BYTES}={raw!r} must be a multiple of {LL_PUT_BYTES_STEP} "
-                      f"from {LL_PUT_BYTES_STEP} to {LL_PUT_BYTES_MAX} (bytes per counted message of the NVSHMEM "
-                      f"low-latency dispatch; unset: {LL_PUT_BYTES_DEFAULT})")
+    if not (LOW_LATENCY_PUT_BYTES_STEP <= value <= LOW_LATENCY_PUT_BYTES_MAX and value % LOW_LATENCY_PUT_BYTES_STEP == 0):
+        raise EPError(f"jax_ep.initialize: {ENV_LOW_LATENCY_PUT_BYTES}={raw!r} must be a multiple of {LOW_LATENCY_PUT_BYTES_STEP} "
+                      f"from {LOW_LATENCY_PUT_BYTES_STEP} to {LOW_LATENCY_PUT_BYTES_MAX} (bytes per counted message of the NVSHMEM "
+                      f"low-latency dispatch; unset: {LOW_LATENCY_PUT_BYTES_DEFAULT})")
     return value
 
 
 def kernel_environment(environ=None) -> dict:
     """{variable: resolved value} for every kernel variable (validated): part of the multi-process fingerprint."""
-    return {ENV_LL_PUT_BYTES: ll_put_bytes(environ)}
+    return {ENV_LOW_LATENCY_PUT_BYTES: low_latency_put_bytes(environ)}

@@ -1,4 +1,4 @@
-"""initialize / finalize: the prewarm hook, backend choice, and what was set up.
+"""setup / finalize: the runtime half of jax_ep.initialize, backend choice, and what was set up.
 
 `initialize(mesh, *configs)` does every expensive, collective step before tracing so the first jitted call runs
 at steady-state speed. For the reference backend there is nothing to set up beyond recording the choice; for the
@@ -217,8 +217,9 @@ def _groups_of(mesh, axis_name: str) -> list[GroupInfo]:
     return [GroupInfo(axis_name, tuple(int(d.id) for d in row)) for row in rows]
 
 
-def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
-    """The prewarm hook: eager, before tracing; idempotent for the same (mesh, configs).
+def setup(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
+    """The runtime half of `jax_ep.initialize` (jax_ep/ops/initialize.py adds the warm-up run of the ops): eager,
+    before tracing; idempotent for the same (mesh, configs).
 
     Sets up, for every config on the CUDA backend, the transport (buffers, peer access or NVSHMEM, teams), binds
     the mesh axes for the kernels and runs one warm-up exchange. Calling it again with more configs on the same
@@ -237,7 +238,7 @@ def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime
     for i, cfg in enumerate(configs):
         if not isinstance(cfg, EPConfig):
             raise EPError(f"jax_ep.initialize: configs[{i}] must be an EPConfig, got {type(cfg).__name__}")
-    kernel_environment()  # EPError naming a kernel variable (JAX_EP_LL_PUT_BYTES) with an invalid value
+    kernel_environment()  # EPError naming a kernel variable (JAX_EP_LOW_LATENCY_PUT_BYTES) with an invalid value
     with _lock:
         current_rt: Runtime | None = _state["runtime"]
         mesh_shape = dict(mesh.shape)
@@ -446,7 +447,7 @@ def runtime_for_trace(cfg: EPConfig, op: str) -> Runtime:
         log_once(("lazy", cfg), "jax_ep: no runtime knew %s; adding it at trace time on the runtime's mesh %s. Pass "
                  "every config to jax_ep.initialize(mesh, ...) before tracing so the first call runs at full speed.",
                  cfg, rt.mesh_shape)
-        return initialize(rt.mesh, *rt.configs, cfg)
+        return setup(rt.mesh, *rt.configs, cfg)
 
 
 def _is_traced_mesh(mesh) -> bool:
@@ -458,7 +459,7 @@ def _is_traced_mesh(mesh) -> bool:
 
 def warmup(program: Callable[..., Any], *example_args: Any, calls: int = 2) -> Any:
     """Runs a compiled or jitted program `calls` times on example inputs and waits for it: the serving-side half of
-    the prewarm hook.
+    the warm-up.
 
     `initialize` does jax_ep's own expensive steps (buffers, peer access or NVSHMEM, teams, kernel loading, one
     warm-up exchange), and the FFI handlers set up their per-call-site state when XLA compiles the program. What is

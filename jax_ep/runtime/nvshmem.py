@@ -256,8 +256,12 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
     native_ids: dict = {}
     try:
         t = time.perf_counter()
+        teams = _process.setdefault("teams", {})
         for spec in plan:
-            handle = m.team_split_strided(spec.start, spec.stride, spec.size)
+            key = (spec.start, spec.stride, spec.size)
+            if key not in teams:  # collective split, the same on every process (the same plans in the same order)
+                teams[key] = m.team_split_strided(spec.start, spec.stride, spec.size)
+            handle = teams[key]
             team = Team(spec, handle, None, None)
             made.append(team)
             if (handle is not None) != (process_id in spec.pes):
@@ -278,8 +282,8 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
             device = check_device_api(m, process_id, timeout_s)
             timings["device_check"] = time.perf_counter() - t
             # the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem, normal_over_nvshmem) for the native handlers
-            _native.module().set_low_latency_rdma_ops(m.low_latency_rdma_ops())
-            _native.module().set_normal_rdma_ops(m.normal_rdma_ops())
+            _native.module().set_low_latency_nvshmem_ops(m.low_latency_nvshmem_ops())
+            _native.module().set_normal_nvshmem_ops(m.normal_nvshmem_ops())
         elif needs_device_library:
             raise EPError("jax_ep.initialize: the NVSHMEM kernels (EPConfig.allow_nvlink_for_low_latency="
                           "False, or R > num_max_nvl_peers) need NVSHMEM's device library in jax_ep._jax_ep_nvshmem, and this build has none (the nvidia-nvshmem-cu13 "
@@ -398,8 +402,12 @@ def check_device_api(m, process_id: int, timeout_s: float) -> dict:
 
 
 def teardown(transport: NvshmemTransport, timeout_s: float) -> None:
-    """Collective: every process meets (bounded, through the key-value store), then the groups are unregistered,
-    the buffers freed and the teams destroyed. NVSHMEM itself stays up for the next initialize (see shutdown)."""
+    """Collective: every process meets (bounded, through the key-value store), then the groups are unregistered and
+    the buffers freed. NVSHMEM and its teams stay up for the next initialize (see shutdown).
+
+    NOTE: teams live as long as NVSHMEM in this process, cached by (start, stride, size) and reused by later
+    initializes: NVSHMEM 3.4 does not give a destroyed team's slot back, so splitting anew on every initialize ran
+    out of NVSHMEM_MAX_TEAMS (32) after about 30 initialize / finalize cycles of one process."""
     m = module()
     errors = []
     for nid in transport.native_ids.values():
@@ -411,10 +419,6 @@ def teardown(transport: NvshmemTransport, timeout_s: float) -> None:
     agreement.barrier(transport.generation, "finalize", timeout_s)
     for axis in list(transport.buffers):
         m.free(transport.buffers.pop(axis))
-    for team in reversed(transport.teams):
-        if team.handle is not None:
-            m.team_destroy(team.handle)
-            team.handle = None
     if errors:
         raise EPError("jax_ep.finalize: " + "; ".join(errors))
 

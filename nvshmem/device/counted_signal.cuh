@@ -20,7 +20,7 @@
 
 #include "common/ptx.cuh"
 
-namespace jax_ep::rdma {
+namespace jax_ep::nvshmem {
 
 constexpr uint64_t kAnnounceShift = 32;
 
@@ -58,4 +58,4 @@ __device__ __forceinline__ bool wait_complete(uint64_t* word, uint64_t timeout_n
   return true;
 }
 
-}  // namespace jax_ep::rdma
+}  // namespace jax_ep::nvshmem

@@ -9,7 +9,7 @@
 #include "device/counted_signal.cuh"
 #include "device/device_check.h"
 
-namespace jax_ep::rdma {
+namespace jax_ep::nvshmem {
 namespace {
 
 constexpr int kThreads = 256;
@@ -93,4 +93,4 @@ Status launch_device_check(char* buf, int n_pes, uint64_t timeout_ns, CheckResul
   return Status::Ok();
 }
 
-}  // namespace jax_ep::rdma
+}  // namespace jax_ep::nvshmem

@@ -11,7 +11,7 @@
 #include "jax_ep/macros.h"
 #include "jax_ep/status.h"
 
-namespace jax_ep::rdma {
+namespace jax_ep::nvshmem {
 
 // What one PE saw (CheckResult::kWords int32 words, written by the kernel).
 struct CheckResult {
@@ -38,4 +38,4 @@ size_t check_buffer_bytes(int n_pes);
 // to `result` (device memory). Every PE must launch it; each waits at most timeout_ns for the others.
 Status launch_device_check(char* buf, int n_pes, uint64_t timeout_ns, CheckResult* result, cudaStream_t stream);
 
-}  // namespace jax_ep::rdma
+}  // namespace jax_ep::nvshmem

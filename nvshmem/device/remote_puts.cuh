@@ -1,7 +1,7 @@
-// What every NVSHMEM kernel set of this module (ll_rdma.cu, normal_rdma.cu) shares about its puts to remote ranks:
+// What every NVSHMEM kernel set of this module (low_latency.cu, normal_send.cu) shares about its puts to remote ranks:
 // the counted message (put-with-signal, +1 after the bytes), the plain put (completed by a quiet), the test hook's
 // device byte counter, and the launch error text of the ops tables.
-// NOTE: only for TUs of jax_ep._jax_ep_nvshmem (relocatable device code: the counter is defined once, in ll_rdma.cu).
+// NOTE: only for TUs of jax_ep._jax_ep_nvshmem (relocatable device code: the counter is defined once, in low_latency.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,7 +13,7 @@
 
 #include "common/thread.cuh"
 
-namespace jax_ep::rdma {
+namespace jax_ep::nvshmem {
 
 // Test hook JAX_EP_TEST_COUNT_REMOTE_BYTES=1 (preload_kernels arms it): bytes of rows this device put to remote
 // peers (signals not included), so a test can check the traffic that crosses the node boundary.
@@ -43,4 +43,4 @@ inline const char* launch_error(const char* what) {
   return message.c_str();
 }
 
-}  // namespace jax_ep::rdma
+}  // namespace jax_ep::nvshmem

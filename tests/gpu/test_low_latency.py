@@ -1,13 +1,20 @@
-"""Low-latency mode on the CUDA backend (public ops through jax_ep.initialize) against backend="reference".
+"""Low-latency mode on the CUDA backend (public ops through jax_ep.initialize) against backend="reference", in both
+modes of EPConfig.low_latency_mode ("per_expert", "per_rank"), on as many GPUs as the machine has (R = 1, 2, 4).
 
-Oracle: the reference backend on the same GPUs (itself checked against the NumPy oracle in the CPU suite).
+Oracle: the reference backend in the same mode on the same GPUs (itself checked against the NumPy oracle, and its
+per_rank message tables against the oracle's, in the CPU suite: tests/test_reference_vs_oracle.py).
 Dispatch: counts, layout_range, src_info and bf16 rows bit-identical; fp8 scales identical and fp8 codes within one
 e4m3 step (XLA:GPU's f32 -> e4m3 conversion rounds some subnormals differently from the hardware cvt). Rows >=
 recv_count are unspecified (SPEC §4) and not compared. Combine within f32-accumulation tolerance of bf16 outputs.
+per_rank only: msg_token and token_rows bit-identical to the reference; the dispatch bit-identical to the CUDA
+per_expert dispatch (same rows, same order); masked slots carry NaN weights, which must not reach y; the combine
+within tolerance of the CUDA per_expert combine (the partial sums are summed in k order on both backends, but
+XLA's einsum may order the f32 adds differently).
 
-With JAX_EP_TEST_LL_OVER_NVSHMEM=1 every config sets allow_nvlink_for_low_latency=False, so the same tests run the
-NVSHMEM put-with-signal kernels (nvshmem/device/ll_rdma.cu); tests/gpu/test_low_latency_nvshmem.py runs this file
-that way under `python -m jax_ep.launch` with JAX_EP_TRANSPORT=nvshmem.
+With JAX_EP_TEST_LOW_LATENCY_OVER_NVSHMEM=1 every config sets allow_nvlink_for_low_latency=False, so the per_expert
+tests run the NVSHMEM put-with-signal kernels (nvshmem/device/low_latency.cu) and the per_rank ones skip (those
+kernels are per_expert only); tests/gpu/test_low_latency_nvshmem.py runs this file that way under
+`python -m jax_ep.launch` with JAX_EP_TRANSPORT=nvshmem.
 """
 
 from __future__ import annotations
@@ -24,23 +31,34 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from intranode_harness import assert_grads_close, ll_round_trip_grads, rel_error as _rel, require as _require, upto as _upto
+from cuda_backend_harness import (assert_grads_close, ll_round_trip_grads, rel_error as _rel, require,
+                                  step_routing, upto)
 
 E, H, K, T_MAX = 32, 2048, 8, 128
+MODES = ("per_expert", "per_rank")
+OVER_NVSHMEM = os.environ.get("JAX_EP_TEST_LOW_LATENCY_OVER_NVSHMEM") == "1"
 
 
-def _mesh(ranks):
-    return Mesh(np.array(jax.devices("gpu")[:ranks]), ("ep",))
+def _setup(mode, ranks=None, hidden=H):
+    """(R, mesh, configs) over R = `ranks` GPUs (None: as many as the machine has, up to 4), initialized without
+    warm-up programs (a runtime per test; suite time). configs: "cuda" and "reference" in `mode`, and for per_rank
+    "cuda_per_expert", the CUDA per_expert config its outputs are also compared with. A short device timeout: a
+    kernel bug ends the run in seconds instead of hanging it."""
+    R = upto(4) if ranks is None else ranks
+    require(R)
+    if OVER_NVSHMEM and mode == "per_rank":
+        pytest.skip("per_rank has no NVSHMEM kernels (allow_nvlink_for_low_latency=False needs per_expert)")
+    mesh = Mesh(np.array(jax.devices("gpu")[:R]), ("ep",))
 
+    def cfg(backend, m=mode):
+        return jax_ep.EPConfig(E, hidden, K, T_MAX, backend=backend, timeout_seconds=10.0, low_latency_mode=m,
+                               allow_nvlink_for_low_latency=not OVER_NVSHMEM)
 
-OVER_NVSHMEM = os.environ.get("JAX_EP_TEST_LL_OVER_NVSHMEM") == "1"
-
-
-def _cfgs(**kw):
-    # a short device timeout: a kernel bug ends the run in seconds instead of hanging it
-    return {b: jax_ep.EPConfig(kw.get("E", E), kw.get("H", H), K, kw.get("T_MAX", T_MAX), backend=b,
-                               timeout_seconds=10.0, allow_nvlink_for_low_latency=not OVER_NVSHMEM)
-            for b in ("cuda", "reference")}
+    cfgs = {"cuda": cfg("cuda"), "reference": cfg("reference")}
+    if mode == "per_rank":
+        cfgs["cuda_per_expert"] = cfg("cuda", "per_expert")
+    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)
+    return R, mesh, cfgs
 
 
 @pytest.fixture(autouse=True)
@@ -50,37 +68,39 @@ def _finalize():
     if OVER_NVSHMEM and rt is not None:  # the NVSHMEM kernels really ran: their transport, their table installed
         from jax_ep import _native
 
-        assert rt.transport == "nvshmem" and _native.module().has_low_latency_rdma_ops(), rt.summary()
+        assert rt.transport == "nvshmem" and _native.module().has_low_latency_nvshmem_ops(), rt.summary()
     jax_ep.finalize()
 
 
-def _routing(rng, ranks, tokens, num_experts=E):
-    scores = np.abs(rng.normal(size=(ranks * tokens, num_experts))) + 1
+def _inputs(rng, mode, ranks, tokens, hidden=H):
+    """x [R*T, hidden] bf16, topk_idx [R*T, K] with -1, out-of-range and repeated ids, weights [R*T, K] f32 (per_rank:
+    NaN in the -1 slots, whose weights are never used)."""
+    x = jnp.asarray(rng.normal(size=(ranks * tokens, hidden)) * 3, jnp.bfloat16)
+    w = rng.random(size=(ranks * tokens, K)).astype(np.float32)
+    scores = np.abs(rng.normal(size=(ranks * tokens, E))) + 1
     idx = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
     idx[rng.random(idx.shape) < 0.1] = -1
-    idx[rng.random(idx.shape) < 0.02] = num_experts + 3  # out of range: treated as -1
+    idx[rng.random(idx.shape) < 0.02] = E + 3  # out of range: treated as -1
     idx[:, -1] = np.where(rng.random(len(idx)) < 0.05, idx[:, 0], idx[:, -1])  # a repeated expert
-    return jnp.asarray(idx)
+    if mode == "per_rank":
+        w[idx < 0] = np.nan
+    return x, jnp.asarray(idx), jnp.asarray(w)
 
 
-def _inputs(rng, ranks, tokens, hidden=H, num_experts=E):
-    x = jnp.asarray(rng.normal(size=(ranks * tokens, hidden)) * 3, jnp.bfloat16)
-    w = jnp.asarray(rng.random(size=(ranks * tokens, K)), jnp.float32)
-    return x, _routing(rng, ranks, tokens, num_experts), w
-
-
-def _dispatch_program(cfg, mesh, use_fp8):
+def _dispatch_program(cfg, mesh, use_fp8, split):
+    """recv_x, scales, recv_count, src_info, layout_range, msg_token, token_rows (zeros where the mode has none)."""
     def body(x, idx):
-        out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=use_fp8)
+        if split:
+            out = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=use_fp8),
+                                                   cfg)
+        else:
+            out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=use_fp8)
         scales = out.recv_x_scales if use_fp8 else jnp.zeros((1,), jnp.float32)
-        return out.recv_x, scales, out.recv_count, out.handle.src_info, out.handle.layout_range
+        h = out.handle
+        tables = (h.msg_token, h.token_rows) if h.msg_token is not None else (jnp.zeros((1,), jnp.int32),) * 2
+        return (out.recv_x, scales, out.recv_count, h.src_info, h.layout_range) + tables
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 2, out_specs=P("ep")))
-
-
-def _valid_rows(count, ranks, num_local, rows):
-    """[R*L, rows] mask of rows < recv_count per (rank, local expert)."""
-    return np.arange(rows)[None, :] < np.asarray(count).reshape(ranks * num_local, 1)
 
 
 def _fp8_codes_close(a, b):
@@ -92,11 +112,13 @@ def _fp8_codes_close(a, b):
     return (same_sign & close) | both_zero
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-@pytest.mark.parametrize("tokens", [1, 64, 128])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("use_fp8", [True, False])
-def test_dispatch_matches_reference(ranks, tokens, use_fp8):
-    _check_dispatch(ranks, tokens, use_fp8, H)
+@pytest.mark.parametrize("tokens", [1, 64, 128])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_dispatch_matches_reference(ranks, tokens, use_fp8, split, mode):
+    _check_dispatch(mode, ranks, tokens, use_fp8, H, split)
 
 
 # Shapes the default ones miss: fp8 rows whose scales are not a multiple of 16 bytes (H % 512 != 0), one segment
@@ -105,39 +127,46 @@ def test_dispatch_matches_reference(ranks, tokens, use_fp8):
 @pytest.mark.parametrize("hidden,tokens", [(128, 37), (384, 5), (7168, 33)])
 @pytest.mark.parametrize("use_fp8", [True, False])
 def test_dispatch_matches_reference_shapes(ranks, hidden, tokens, use_fp8):
-    _check_dispatch(ranks, tokens, use_fp8, hidden)
+    _check_dispatch("per_expert", ranks, tokens, use_fp8, hidden, False)
 
 
-def _check_dispatch(ranks, tokens, use_fp8, hidden):
-    _require(ranks)
-    mesh = _mesh(ranks)
-    cfgs = _cfgs(H=hidden)
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
-    x, idx, _ = _inputs(np.random.default_rng(ranks * 1000 + tokens + hidden), ranks, tokens, hidden=hidden)
-    got = jax.device_get(_dispatch_program(cfgs["cuda"], mesh, use_fp8)(x, idx))
-    want = jax.device_get(_dispatch_program(cfgs["reference"], mesh, use_fp8)(x, idx))
-    for name, i in (("recv_count", 2), ("src_info", 3), ("layout_range", 4)):
+def _check_dispatch(mode, ranks, tokens, use_fp8, hidden, split):
+    _, mesh, cfgs = _setup(mode, ranks, hidden)
+    x, idx, _ = _inputs(np.random.default_rng(ranks * 1000 + tokens + hidden), mode, ranks, tokens, hidden)
+    got = jax.device_get(_dispatch_program(cfgs["cuda"], mesh, use_fp8, split)(x, idx))
+    want = jax.device_get(_dispatch_program(cfgs["reference"], mesh, use_fp8, False)(x, idx))
+    fields = [("recv_count", 2), ("src_info", 3), ("layout_range", 4)]
+    tables = [("msg_token", 5), ("token_rows", 6)] if mode == "per_rank" else []
+    for name, i in fields + tables:
         np.testing.assert_array_equal(got[i], want[i], err_msg=name)
     num_local, rows = E // ranks, ranks * T_MAX
-    valid = _valid_rows(want[2], ranks, num_local, rows)
+    valid = np.arange(rows)[None, :] < np.asarray(want[2]).reshape(ranks * num_local, 1)
     assert valid.sum() > 0
-    H_ = hidden
-    g_x, w_x = got[0].reshape(ranks * num_local, rows, H_)[valid], want[0].reshape(ranks * num_local, rows, H_)[valid]
+
+    def valid_rows(res):
+        return np.asarray(res[0]).reshape(ranks * num_local, rows, hidden)[valid]
+
+    g_x, w_x = valid_rows(got), valid_rows(want)
     if use_fp8:
-        S = H_ // 128
+        S = hidden // 128
         np.testing.assert_array_equal(got[1].reshape(-1, rows, S)[valid], want[1].reshape(-1, rows, S)[valid],
                                       err_msg="recv_x_scales")
         ok = _fp8_codes_close(g_x, w_x)
         assert ok.all(), f"{(~ok).sum()} fp8 values more than one e4m3 step from the reference"
-        exact = np.mean(np.asarray(g_x).view(np.uint8) == np.asarray(w_x).view(np.uint8))
+        exact = np.mean(g_x.view(np.uint8) == w_x.view(np.uint8))
         print(f"fp8 codes identical to XLA's: {exact:.6f}")
     else:
-        np.testing.assert_array_equal(np.asarray(g_x).view(np.uint16), np.asarray(w_x).view(np.uint16),
-                                      err_msg="recv_x")
+        np.testing.assert_array_equal(g_x.view(np.uint16), w_x.view(np.uint16), err_msg="recv_x")
+    if mode == "per_rank":  # the same rows in the same order as the CUDA per_expert dispatch
+        per_expert = jax.device_get(_dispatch_program(cfgs["cuda_per_expert"], mesh, use_fp8, False)(x, idx))
+        for name, i in fields:
+            np.testing.assert_array_equal(got[i], per_expert[i], err_msg=f"{name} vs per_expert")
+        view = np.uint8 if use_fp8 else np.uint16
+        np.testing.assert_array_equal(g_x.view(view), valid_rows(per_expert).view(view), err_msg="vs per_expert")
 
 
 def _round_trip_program(cfg, mesh, split):
-    """dispatch (bf16) -> per-expert transform -> combine; returns y and the dispatch handle."""
+    """dispatch (bf16) -> per-expert transform -> combine; returns y and the dispatch handle's src_info."""
     def body(x, idx, w):
         if split:
             out = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False), cfg)
@@ -155,31 +184,30 @@ def _round_trip_program(cfg, mesh, split):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-@pytest.mark.parametrize("tokens", [1, 64, 128])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("split", [False, True])
-def test_combine_matches_reference(ranks, tokens, split):
-    _require(ranks)
-    mesh = _mesh(ranks)
-    cfgs = _cfgs()
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
-    x, idx, w = _inputs(np.random.default_rng(7 + ranks + tokens), ranks, tokens)
+@pytest.mark.parametrize("tokens", [1, 64, 128])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_combine_matches_reference(ranks, tokens, split, mode):
+    _, mesh, cfgs = _setup(mode, ranks)
+    x, idx, w = _inputs(np.random.default_rng(7 + ranks + tokens), mode, ranks, tokens)
     y_c, src_c = _round_trip_program(cfgs["cuda"], mesh, split)(x, idx, w)
     y_r, src_r = _round_trip_program(cfgs["reference"], mesh, False)(x, idx, w)
     np.testing.assert_array_equal(np.asarray(src_c), np.asarray(src_r))
+    assert np.isfinite(np.asarray(y_c, np.float32)).all(), "NaN weights of masked slots leaked into y"
     assert _rel(y_c, y_r) <= 2 ** -7, f"combine relative error {_rel(y_c, y_r):.2e}"
+    if mode == "per_rank":
+        y_pe, _ = _round_trip_program(cfgs["cuda_per_expert"], mesh, False)(x, idx, w)
+        assert _rel(y_c, y_pe) <= 2 ** -6, f"vs CUDA per_expert: {_rel(y_c, y_pe):.2e}"
 
 
 def test_consecutive_calls_without_combine_between():
     """Two dispatches back to back (the second reuses the other half), then both combines: each op must see its
     own data."""
-    R = _upto(4)
-    mesh = _mesh(R)
-    cfgs = _cfgs()
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
+    R, mesh, cfgs = _setup("per_expert")
     rng = np.random.default_rng(3)
-    x1, idx1, w1 = _inputs(rng, R, T_MAX)
-    x2, idx2, w2 = _inputs(rng, R, T_MAX)
+    x1, idx1, w1 = _inputs(rng, "per_expert", R, T_MAX)
+    x2, idx2, w2 = _inputs(rng, "per_expert", R, T_MAX)
 
     def program(cfg):
         def body(x1, idx1, w1, x2, idx2, w2):
@@ -196,20 +224,20 @@ def test_consecutive_calls_without_combine_between():
         assert _rel(g, r) <= 2 ** -7
 
 
-def _scan_program(cfg, mesh, steps, tokens):
+def _scan_program(cfg, mesh, steps, tokens, use_fp8):
+    """`steps` dispatch + combine steps in one lax.scan, new random routing (with -1 and out-of-range ids) every
+    step; fp8: the combine gets the dequantized rows."""
     def body(x, key):
         me = lax.axis_index("ep")
 
         def step(carry, i):
-            k = jax.random.fold_in(jax.random.fold_in(key[0], i), me)
-            k1, k2 = jax.random.split(k)
-            idx = jax.random.randint(k1, (tokens, K), -2, E + 2, dtype=jnp.int32)
-            w = jax.random.uniform(k2, (tokens, K), jnp.float32)
+            idx, w = step_routing(key, i, tokens, K, E)
             xi = x + (i % 5).astype(x.dtype)
-            out = jax_ep.low_latency_dispatch(xi, idx, cfg, use_fp8=True)
-            y = jax_ep.low_latency_combine(
-                (out.recv_x.astype(jnp.float32) * out.recv_x_scales.repeat(128, axis=2)).astype(jnp.bfloat16),
-                idx, w, out.handle, cfg)
+            out = jax_ep.low_latency_dispatch(xi, idx, cfg, use_fp8=use_fp8)
+            rows = out.recv_x
+            if use_fp8:
+                rows = (rows.astype(jnp.float32) * out.recv_x_scales.repeat(128, axis=2)).astype(jnp.bfloat16)
+            y = jax_ep.low_latency_combine(rows, idx, w, out.handle, cfg)
             return carry + jnp.sum(out.recv_count), (y, out.recv_count)
 
         zero = jnp.zeros((), jnp.int32) + 0 * me
@@ -219,32 +247,31 @@ def _scan_program(cfg, mesh, steps, tokens):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P()), out_specs=P("ep")))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("use_fp8", [True, False])
 @pytest.mark.parametrize("steps", [2, 100])
-def test_scan_consecutive_calls_changing_routing(steps):
-    R = _upto(4)
-    mesh = _mesh(R)
-    cfgs = _cfgs()
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
+def test_scan_consecutive_calls_changing_routing(steps, use_fp8, mode):
+    R, mesh, cfgs = _setup(mode)
     x = jnp.asarray(np.random.default_rng(11).normal(size=(R * 64, H)), jnp.bfloat16)
     key = jax.random.key_data(jax.random.key(steps))[None]
-    compiled = _scan_program(cfgs["cuda"], mesh, steps, 64).lower(x, key).compile()
+    compiled = _scan_program(cfgs["cuda"], mesh, steps, 64, use_fp8).lower(x, key).compile()
     print("XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""), "| command buffers in compiled HLO:",
           compiled.as_text().count("command_buffer"))
     t_c, y_c, n_c = jax.device_get(compiled(x, key))
-    t_r, y_r, n_r = jax.device_get(_scan_program(cfgs["reference"], mesh, steps, 64)(x, key))
+    t_r, y_r, n_r = jax.device_get(_scan_program(cfgs["reference"], mesh, steps, 64, use_fp8)(x, key))
     np.testing.assert_array_equal(n_c, n_r)
     np.testing.assert_array_equal(t_c, t_r)
     # fp8 codes may differ by one step from XLA's conversion: allow a few bf16 ulps of the largest value
-    assert _rel(y_c, y_r) <= 2 ** -5, f"relative error over {steps} steps {_rel(y_c, y_r):.2e}"
+    tol = 2 ** -5 if use_fp8 else 2 ** -7
+    assert _rel(y_c, y_r) <= tol, f"relative error over {steps} steps {_rel(y_c, y_r):.2e}"
 
 
-def test_gradients_match_reference():
-    R = _upto(4)
-    mesh = _mesh(R)
-    cfgs = _cfgs()
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_match_reference(mode):
+    R, mesh, cfgs = _setup(mode)
     rng = np.random.default_rng(21)
-    x, idx, w = _inputs(rng, R, 64)
+    x, idx, w = _inputs(rng, mode, R, 64)
+    w = jnp.where(jnp.isnan(w), 0.0, w)  # finite weights: the gradient reaches every slot
     cot = jnp.asarray(rng.normal(size=(R * 64, H)), jnp.float32)
 
     assert_grads_close(ll_round_trip_grads(cfgs["cuda"], mesh, x, idx, w, cot),
@@ -252,14 +279,11 @@ def test_gradients_match_reference():
 
 
 def test_compiled_hlo_uses_the_split_custom_calls():
-    R = _upto(4)
-    mesh = _mesh(R)
-    cfgs = _cfgs()
-    jax_ep.initialize(mesh, *cfgs.values(), warmup_ops=False)  # a runtime per test: no warm-up programs (suite time)
-    x, idx, w = _inputs(np.random.default_rng(1), R, 16)
+    R, mesh, cfgs = _setup("per_expert")
+    x, idx, w = _inputs(np.random.default_rng(1), "per_expert", R, 16)
     text = _round_trip_program(cfgs["cuda"], mesh, True).lower(x, idx, w).compile().as_text()
-    for target in ("jax_ep_ll_dispatch_send_v5", "jax_ep_ll_dispatch_recv_v5", "jax_ep_ll_combine_send_v5",
-                   "jax_ep_ll_combine_recv_v5"):
+    for target in ("jax_ep_low_latency_dispatch_send_v6", "jax_ep_low_latency_dispatch_recv_v6",
+                   "jax_ep_low_latency_combine_send_v6", "jax_ep_low_latency_combine_recv_v6"):
         assert target in text, target
     for collective in ("all-to-all", "all-gather", "all-reduce"):
         assert collective not in text, f"stray {collective} in the compiled LL program"

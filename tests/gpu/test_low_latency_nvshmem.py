@@ -1,11 +1,12 @@
-"""Low-latency mode over NVSHMEM puts (EPConfig(allow_nvlink_for_low_latency=False): nvshmem/device/ll_rdma.cu).
+"""Low-latency mode over NVSHMEM puts (EPConfig(allow_nvlink_for_low_latency=False): nvshmem/device/low_latency.cu).
 
-Runs the whole low-latency GPU suite (tests/gpu/test_low_latency.py: dispatch bf16/fp8 bit-identical to the
-reference backend with -1, out-of-range and repeated ids, T in {1, 64, 128} and other shapes, combine fused and
-split, consecutive calls without a combine between, 100 chained steps with changing routing, gradients) in one
-process per GPU through NVSHMEM (`python -m jax_ep.launch -n 1` with JAX_EP_TRANSPORT=nvshmem; with one process
-the tests that need 2 or 4 GPUs skip inside, saying so), with JAX_EP_TEST_LL_OVER_NVSHMEM=1 so every config takes
-the NVSHMEM kernels. Also: the errors when those kernels cannot be used.
+Runs the low-latency GPU suite's per_expert cases (tests/gpu/test_low_latency.py: dispatch bf16/fp8 fused and
+split bit-identical to the reference backend with -1, out-of-range and repeated ids, T in {1, 64, 128} and other
+shapes, combine fused and split, consecutive calls without a combine between, 100 chained steps with changing
+routing, gradients; its per_rank cases skip: the NVSHMEM kernels are per_expert only) in one process per GPU
+through NVSHMEM (`python -m jax_ep.launch -n 1` with JAX_EP_TRANSPORT=nvshmem; with one process the tests that
+need 2 or 4 GPUs skip inside, saying so), with JAX_EP_TEST_LOW_LATENCY_OVER_NVSHMEM=1 so every config takes the
+NVSHMEM kernels. Also: the errors when those kernels cannot be used.
 """
 
 from __future__ import annotations
@@ -17,31 +18,23 @@ import sys
 
 import pytest
 
+from helpers import gpu_child_env  # tests/ is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _require_device_library():
-    from jax_ep import _native
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
-    from intranode_harness import require
+    """Skips unless a GPU, the native extension and the NVSHMEM module with its device library are here (GPUs first)."""
+    from cuda_backend_harness import gpu_devices
+    from helpers import gpu_skip_reason  # tests/ is on sys.path
 
-    require(1)
-    if nvshmem_runtime.availability() != "available":
-        pytest.skip(nvshmem_runtime.availability())
-    if not nvshmem_runtime.module().has_device_library():
-        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
-    assert _native.available()
+    reason = gpu_skip_reason(1, len(gpu_devices()), device_library=True)
+    if reason:
+        pytest.skip(reason)
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
-               PYTHONUNBUFFERED="1", **extra)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "gpu")] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
+    return gpu_child_env(os.path.join(ROOT, "tests", "gpu"), **extra)
 
 
 @pytest.mark.parametrize("all_remote", ["0", "1"])
@@ -52,7 +45,7 @@ def test_low_latency_suite_over_nvshmem_puts(all_remote):
     _require_device_library()
     cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "1", "--timeout", "540", "-m", "pytest", "-q", "-rs",
            "-p", "no:cacheprovider", os.path.join("tests", "gpu", "test_low_latency.py")]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(JAX_EP_TRANSPORT="nvshmem", JAX_EP_TEST_LL_OVER_NVSHMEM="1",
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(JAX_EP_TRANSPORT="nvshmem", JAX_EP_TEST_LOW_LATENCY_OVER_NVSHMEM="1",
                                                JAX_EP_TEST_ALL_PEERS_REMOTE=all_remote),
                        capture_output=True, text=True, timeout=600)
     tail = p.stdout[-5000:] + "\n--- stderr ---\n" + p.stderr[-5000:]

@@ -1,6 +1,6 @@
 """One process per GPU with the CUDA backend (NVSHMEM teams and symmetric buffers), on the GPU machine.
 
-Runs tests/gpu/multiprocess/ep_cuda.py under `python -m jax_ep.launch -n 4` and `-n 2` and, for comparison, as
+Runs tests/programs/gpu/one_process_per_gpu.py under `python -m jax_ep.launch -n 4` and `-n 2` and, for comparison, as
 one process driving the same GPUs: normal-mode dispatch (bf16, fp8), combine and gradients against the reference
 backend in the same processes; team membership and sizes for several (R, num_max_nvl_peers); finalize + initialize
 again; a config mismatch between processes ending in an error that names it; and bit-identical outputs in both
@@ -18,40 +18,23 @@ import time
 import numpy as np
 import pytest
 
+from helpers import gpu_child_env, gpu_skip_reason  # tests/ is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ep_cuda.py")
+PROGRAMS = os.path.join(ROOT, "tests", "programs", "gpu")
+SCRIPT = os.path.join(PROGRAMS, "one_process_per_gpu.py")
 
 
-def _gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def _require(n):
-    from jax_ep import _native
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
-
-    if not _native.available():
-        pytest.skip(f"native extension not built: {_native.load_error()}")
-    status = nvshmem_runtime.availability()
-    if status != "available":
-        pytest.skip(status)
-    if _gpu_count() < n:
-        pytest.skip(f"needs {n} CUDA GPUs, found {_gpu_count()}")
+def _require(n, device_library=False):
+    """Skips unless n GPUs (counted by nvidia-smi: no CUDA context in this process), the native extension and the
+    NVSHMEM module (device_library: built with NVSHMEM's device library) are here; the GPUs are checked first."""
+    reason = gpu_skip_reason(n, nvshmem=True, device_library=device_library)
+    if reason:
+        pytest.skip(reason)
 
 
 def _env(extra=None):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CPU suite's forced host devices
-    env.pop("JAX_PLATFORMS", None)
-    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
-               PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra or {})
-    return env
+    return gpu_child_env(**(extra or {}))
 
 
 def _run(cmd, timeout=240, env=None):
@@ -79,7 +62,7 @@ def _single(*args, timeout=240):
 
 
 def _decoded(v):
-    """float64 values of an array ep_cuda.py saved (bf16 as its uint16 bits, f32 as is)."""
+    """float64 values of an array one_process_per_gpu.py saved (bf16 as its uint16 bits, f32 as is)."""
     import ml_dtypes
 
     return v.view(ml_dtypes.bfloat16).astype(np.float64) if v.dtype == np.uint16 else v.astype(np.float64)
@@ -95,10 +78,11 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
     _require(n)
     multi, single = str(tmp_path / "multi.npz"), str(tmp_path / "single.npz")
     out = _launch(n, "--out", multi, "--nvl", "2" if n == 4 else "1", "--mismatch")
-    for tag in ("runtime", "teams", "correctness", "reinitialize", "mismatch", "after_mismatch", "done"):
+    for tag in ("runtime", "device_check", "teams", "normal_kernels", "correctness", "reinitialize", "mismatch",
+                "after_mismatch", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     for line in _lines(out, "normal_kernels").values():  # R > num_max_nvl_peers: the NVSHMEM normal-mode kernels
-        assert "rdma=[1]" in line, line
+        assert "nvshmem=[1]" in line, line
     for line in _lines(out, "runtime").values():
         assert "model=multi-process transport=nvshmem" in line, line
     for line in _lines(out, "device_check").values():
@@ -115,7 +99,7 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
     # (SPEC); everything else bit-identical
     for k in sorted(a):
         if n == 4 and (k.startswith("y") or k.startswith("grad")):
-            got, want = _decoded(a[k]), _decoded(b[k])  # ep_cuda.py saves bf16 as its bits (uint16)
+            got, want = _decoded(a[k]), _decoded(b[k])  # one_process_per_gpu.py saves bf16 as its bits (uint16)
             err = np.max(np.abs(got - want)) if want.size else 0.0
             assert err <= 2 ** -6 * max(1.0, np.max(np.abs(want)) if want.size else 1.0), (k, err)
             continue
@@ -125,7 +109,7 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, tmp_path):
 def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_path):
     """JAX_EP_TRANSPORT=nvshmem with one process on one GPU: NVSHMEM bootstrap with the device library, the
     device-API check (counted put-with-signal messages), a team of one, symmetric buffers, then every op of
-    ep_cuda.py bit-identical to the reference backend and to the same program over the peer transport."""
+    one_process_per_gpu.py bit-identical to the reference backend and to the same program over the peer transport."""
     _require(1)
     via, peer = str(tmp_path / "nvshmem.npz"), str(tmp_path / "peer.npz")
     out = _launch(1, "--out", via, env={"JAX_EP_TRANSPORT": "nvshmem"})
@@ -134,8 +118,9 @@ def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_pa
     assert "model=multi-process transport=nvshmem" in _lines(out, "runtime")[0]
     from jax_ep.runtime import nvshmem as nvshmem_runtime
 
-    if nvshmem_runtime.module().has_device_library():
-        assert "ran=True" in _lines(out, "device_check")[0] and "complete=1" in _lines(out, "device_check")[0]
+    # the device-API check runs exactly when the module has NVSHMEM's device library, and then every message arrived
+    want = ("ran=True", "complete=1") if nvshmem_runtime.module().has_device_library() else ("ran=False",)
+    assert all(w in _lines(out, "device_check")[0] for w in want), (want, _lines(out, "device_check")[0])
     out1 = _single("--ranks", "1", "--out", peer)
     assert "model=single-process transport=cuda-peer" in out1
     a, b = dict(np.load(via)), dict(np.load(peer))
@@ -151,22 +136,19 @@ def test_one_gpu_through_the_nvshmem_path_matches_reference_and_peer_path(tmp_pa
     (4, ()),                       # 4 nodes of 1: L=72, so the expert kernels run several blocks per expert
 ])
 def test_low_latency_over_nvshmem_puts_matches_reference(n, flags):
-    """The LL rows moved by NVSHMEM put-with-signal (nvshmem/device/ll_rdma.cu) between simulated nodes of one GPU
-    (num_max_nvl_peers=1): ep_cuda.py's whole program bit-identical to the reference backend, and its lowered LL
-    calls carry rdma = 1 (the NVSHMEM kernels), whether chosen by allow_nvlink_for_low_latency=False or by R > nvl."""
-    _require(n)
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
-
-    if not nvshmem_runtime.module().has_device_library():
-        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
+    """The LL rows moved by NVSHMEM put-with-signal (nvshmem/device/low_latency.cu) between simulated nodes of one GPU
+    (num_max_nvl_peers=1): one_process_per_gpu.py's whole program bit-identical to the reference backend, and its
+    lowered LL calls carry nvshmem = 1 (the NVSHMEM kernels), whether chosen by allow_nvlink_for_low_latency=False
+    or by R > nvl."""
+    _require(n, device_library=True)
     out = _launch(n, "--nvl", "1", *flags, env={"JAX_EP_TRANSPORT": "nvshmem"})
-    for tag in ("runtime", "device_check", "ll_kernels", "correctness", "reinitialize", "done"):
+    for tag in ("runtime", "device_check", "ll_kernels", "normal_kernels", "correctness", "reinitialize", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     for line in _lines(out, "ll_kernels").values():
-        assert "rdma=[1]" in line, line
-    # normal mode: the NVSHMEM kernels exactly when R > num_max_nvl_peers (nvshmem/device/normal_rdma.cu)
+        assert "nvshmem=[1]" in line, line
+    # normal mode: the NVSHMEM kernels exactly when R > num_max_nvl_peers (nvshmem/device/normal_send.cu)
     for line in _lines(out, "normal_kernels").values():
-        assert f"rdma=[{int(n > 1)}]" in line, line
+        assert f"nvshmem=[{int(n > 1)}]" in line, line
 
 
 def test_group_across_simulated_hosts():
@@ -175,13 +157,9 @@ def test_group_across_simulated_hosts():
     low-latency steps and 100 normal-mode steps with new routing match the reference backend through NVSHMEM puts
     alone, a gradient through dispatch and combine too; the bytes put across the boundary (a device counter) are one
     LL message per (token, expert on the other host) and one normal-mode copy per (token, rank on the other host)
-    (tests/gpu/multiprocess/ll_across_hosts.py)."""
-    _require(2)
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
-
-    if not nvshmem_runtime.module().has_device_library():
-        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
-    script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
+    (tests/programs/gpu/low_latency_across_hosts.py)."""
+    _require(2, device_library=True)
+    script = os.path.join(PROGRAMS, "low_latency_across_hosts.py")
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--timeout", "200", script, "--nvl", "1"],
                env={"JAX_EP_TEST_RANKS_PER_HOST": "1", "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
     for tag in ("unmapped", "teams", "low_latency", "remote_bytes", "normal", "normal_remote_bytes", "done"):
@@ -209,19 +187,15 @@ SHARED_GPU_CASES = [(2, 2, 1, ()), (4, 2, 2, ()), (8, 4, 4, ()), (16, 8, 8, ()),
 def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl, extra):
     """EP groups with more ranks than GPUs: `jax_ep.launch --processes-per-gpu P` puts P processes (NVSHMEM PEs) on
     each GPU under CUDA MPS; ranks of different simulated hosts (JAX_EP_TEST_RANKS_PER_HOST = num_max_nvl_peers)
-    get no pointers to each other. ll_across_hosts.py then checks low-latency and normal-mode steps, a gradient and
-    the bytes put across the boundary against the reference backend, which runs on the processes' CPU devices
-    (--oracle cpu: NCCL refuses two ranks on one GPU). Runs only while an MPS daemon is up
-    (scripts/gpu_shared_gpu.sh starts one)."""
-    _require(-(-n // per_gpu))
+    get no pointers to each other. low_latency_across_hosts.py then checks low-latency and normal-mode steps, a
+    gradient and the bytes put across the boundary against the reference backend, which runs on the processes' CPU
+    devices (--oracle cpu: NCCL refuses two ranks on one GPU). Runs only while an MPS daemon is up
+    (`scripts/gpu.sh shared-gpu` starts one)."""
+    _require(-(-n // per_gpu), device_library=True)
     if not _mps_running():
-        pytest.skip("needs the CUDA MPS daemon running (several processes per GPU); scripts/gpu_shared_gpu.sh "
-                    "starts one for this test")
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
-
-    if not nvshmem_runtime.module().has_device_library():
-        pytest.skip("jax_ep._jax_ep_nvshmem was built without NVSHMEM's device library")
-    script = os.path.join(ROOT, "tests", "gpu", "multiprocess", "ll_across_hosts.py")
+        pytest.skip("needs the CUDA MPS daemon running (several processes per GPU); `scripts/gpu.sh "
+                    "shared-gpu` starts one for this test")
+    script = os.path.join(PROGRAMS, "low_latency_across_hosts.py")
     out = _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--processes-per-gpu", str(per_gpu),
                 "--timeout", "260", script, "--nvl", str(nvl), "--oracle", "cpu", *extra], timeout=280,
                env={"JAX_EP_TEST_RANKS_PER_HOST": str(nvl), "JAX_EP_TEST_COUNT_REMOTE_BYTES": "1"})
@@ -233,9 +207,9 @@ def test_group_larger_than_the_gpus_across_simulated_hosts(n, per_gpu, nvl, extr
 
 def test_two_launchers_form_one_ep2_job_over_nvshmem(tmp_path):
     """Issue 14, item 5 on GPUs: two launcher invocations on one host (as on two hosts: --num-hosts 2
-    --host-index i --coordinator), each -n 1 with its own CUDA_VISIBLE_DEVICES, form one EP2 job; ep_cuda.py then
-    runs with num_max_nvl_peers=1 (two "nodes" of one GPU) and the low-latency rows over NVSHMEM puts, checked
-    against the reference backend on every process."""
+    --host-index i --coordinator), each -n 1 with its own CUDA_VISIBLE_DEVICES, form one EP2 job;
+    one_process_per_gpu.py then runs with num_max_nvl_peers=1 (two "nodes" of one GPU) and the low-latency rows over
+    NVSHMEM puts, checked against the reference backend on every process."""
     _require(2)
     from jax_ep.launch.plan import free_port
 

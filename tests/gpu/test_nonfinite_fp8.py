@@ -1,6 +1,6 @@
 """Non-finite fp8 blocks on the GPUs (issue 13), for any number of GPUs R >= 1 (all visible GPUs form one EP group).
 
-Low-latency fp8 dispatch quantizes in the kernel (cuda/kernels/ll_kernels.cu, quantize_segment); the rule is
+Low-latency fp8 dispatch quantizes in the kernel (cuda/kernels/low_latency_kernels.cu, quantize_segment); the rule is
 jax_ep/fp8.py's (docs/API.md, "Errors and edge cases"): amax over the finite channels of each 128-channel block (0 if
 none), the scale from it as for finite rows, and every NaN / +inf / -inf channel stored as the NaN code 0x7F. Rows
 with NaN, +inf, -inf, all three, all-non-finite, all-zero and zero+NaN blocks go through the fused and the split
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import intranode_harness as h  # tests/gpu is on sys.path
+import cuda_backend_harness as h  # tests/gpu is on sys.path
 from helpers import non_finite_rows  # tests/ is on sys.path
 
 import jax
@@ -37,7 +37,7 @@ def _body(cfg, split):
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_ll_fp8_dispatch_of_non_finite_rows_is_bit_identical_to_reference(split):
+def test_low_latency_fp8_dispatch_of_non_finite_rows_is_bit_identical_to_reference(split):
     h.require(1)
     R = len(h.gpu_devices())
     E = 8 * R

@@ -1,6 +1,6 @@
 """The public ops with backend="cuda" through jax_ep.initialize, against backend="reference" on the same GPUs.
 
-Covers what the backend-level tests (test_intranode.py) do not: runtime groups for a (dp=2, ep=2) mesh sharing
+Covers what the backend-level tests (test_cuda_backend.py) do not: runtime groups for a (dp=2, ep=2) mesh sharing
 one handler attribute, gradients through the custom_vjp rules, trace-time initialization, and the compiled HLO
 (no stray all-gather / all-to-all: the exchange is entirely jax_ep's custom calls).
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from intranode_harness import assert_grads_close, require as _require
+from cuda_backend_harness import assert_grads_close, require as _require
 
 E, H, K, T = 32, 2048, 8, 64
 
@@ -114,7 +114,7 @@ def test_compiled_hlo_has_no_stray_collectives():
     hlo = _program(cfg, mesh).lower(x, idx, w).compile().as_text()
     for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
         assert op not in hlo, f"compiled program contains {op}"
-    assert "jax_ep_dispatch_v3" in hlo and "jax_ep_combine_v3" in hlo
+    assert "jax_ep_dispatch_v4" in hlo and "jax_ep_combine_v4" in hlo
 
 
 def test_trace_time_initialization_logs_once(caplog):

@@ -6,12 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include "jax_ep/group_ctx.h"
-#include "jax_ep/ll_params.h"
+#include "jax_ep/low_latency_params.h"
 #include "jax_ep/normal_params.h"
-#include "jax_ep/routing_params.h"
+#include "jax_ep/layout_params.h"
 #include "jax_ep/status.h"
 
-namespace jax_ep::routing {
+namespace jax_ep::layout {
 
 // Host loop (the CPU handler). Same semantics as launch, bit for bit.
 Status run_host(const Params& p);
@@ -22,7 +22,7 @@ Status launch(const Params& p, cudaStream_t stream);
 // Loads the kernels into the current device's context (CUDA lazy loading would load each at its first launch).
 Status preload_kernels();
 
-}  // namespace jax_ep::routing
+}  // namespace jax_ep::layout
 
 namespace jax_ep::normal {
 
@@ -39,7 +39,7 @@ Status preload_kernels();
 
 }  // namespace jax_ep::normal
 
-namespace jax_ep::ll {
+namespace jax_ep::low_latency {
 
 // No barrier, no host synchronization. Split ops: one kernel each. Fused ops: the send kernel then the receive
 // kernel on the same stream, joined by the header's fused-token slot (the ChainIO of each Params says where).
@@ -52,4 +52,4 @@ Status launch_combine(const CombineSendParams& send, const CombineRecvParams& re
 
 Status preload_kernels();
 
-}  // namespace jax_ep::ll
+}  // namespace jax_ep::low_latency

@@ -36,8 +36,8 @@ constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send an
 // [2 parities][kMaxGroupRanks] (a whole number of 256-byte blocks), then counted signals u64 [2 halves]
 // [kMaxLowLatencyExperts].
 constexpr int64_t kLowLatencyConsumedBytes = (2 * 8 * kMaxGroupRanks + 255) / 256 * 256;
-constexpr int64_t kLowLatencyRdmaBytes = kLowLatencyConsumedBytes + 2 * 8 * kMaxLowLatencyExperts;
+constexpr int64_t kLowLatencyNvshmemBytes = kLowLatencyConsumedBytes + 2 * 8 * kMaxLowLatencyExperts;
 // Bytes at the start of every LL region, before the two halves: scratch counters, then the RDMA words.
-constexpr int64_t kLowLatencyFixedBytes = kLowLatencyScratchBytes + kLowLatencyRdmaBytes;
+constexpr int64_t kLowLatencyFixedBytes = kLowLatencyScratchBytes + kLowLatencyNvshmemBytes;
 
 }  // namespace jax_ep

@@ -81,7 +81,7 @@ struct CombineParams {
 // The row-sending step shared by dispatch and cached dispatch (after the count exchange, or the barrier): one warp
 // per token stores (or, to a remote rank, puts) its row, scales, top-k ids and weights and source index into the
 // staging row send_row_offset[d] + send_pos[t, d] of every destination d. Also the NVSHMEM module's entry point
-// (jax_ep/rdma_ops.h), so it lives here rather than in the kernels' TU.
+// (jax_ep/nvshmem_ops.h), so it lives here rather than in the kernels' TU.
 struct SendArgs {
   GroupCtx g;
   const char* rows;                // [T, row_bytes]

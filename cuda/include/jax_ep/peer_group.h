@@ -75,8 +75,8 @@ Status group_info(int64_t id, GroupInfo* out);
 // NOTE: no CUDA call here: binding works (and is testable) on machines without a GPU.
 struct AxisBinding {
   int64_t set_id = -1;
-  int64_t ll_offset = 0;   // byte offset of the LL region in every group of the set (staging_plan)
-  int64_t ll_bytes = 0;    // bytes of the LL region, 0: no LL buffers
+  int64_t low_latency_offset = 0;   // byte offset of the LL region in every group of the set (staging_plan)
+  int64_t low_latency_bytes = 0;    // bytes of the LL region, 0: no LL buffers
 };
 
 Status bind_axis(const std::string& axis, const AxisBinding& binding);

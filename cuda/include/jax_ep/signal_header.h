@@ -22,32 +22,32 @@ struct SignalHeader {
   static constexpr int64_t kCountFlag = kBarrierIn + kU32PerRank;  // u32[R]: epoch at which s published its counts
   static constexpr int64_t kDataFlag = kCountFlag + kU32PerRank;   // u32[R]: epoch at which s finished its rows here
 
-  // ---- low-latency mode (cuda/kernels/ll_kernels.cu, ll_protocol.cuh) ----
+  // ---- low-latency mode (cuda/kernels/low_latency_kernels.cu, low_latency_protocol.cuh) ----
   // u32[2][R]: consumed[h][s] = the last epoch of half h that rank s finished reading (written by s). Per half, so
   // two ops in flight may be received in either order; within a half, epochs n-2, n, n+2 are strictly sequential.
-  static constexpr int64_t kLlConsumed = kDataFlag + kU32PerRank;
+  static constexpr int64_t kLowLatencyConsumed = kDataFlag + kU32PerRank;
 
-  // ---- normal mode over NVSHMEM (nvshmem/device/normal_rdma.cu): words of the pairs (s, this rank) with s remote
+  // ---- normal mode over NVSHMEM (nvshmem/device/normal_send.cu): words of the pairs (s, this rank) with s remote
   // (GroupCtx::remote). Written by NVSHMEM signal ops of s only, never by GPU atomics: one mechanism per word.
-  static constexpr int64_t kRdmaBarrier = kLlConsumed + 2 * kU32PerRank;  // u64[R]: barrier arrivals of remote s
-  static constexpr int64_t kRdmaCount = kRdmaBarrier + kU64PerRank;  // u64[R]: count puts of s landed (2; reset)
-  static constexpr int64_t kRdmaData = kRdmaCount + kU64PerRank;     // u64[R]: s's rows delivered (announce; reset)
+  static constexpr int64_t kNvshmemBarrier = kLowLatencyConsumed + 2 * kU32PerRank;  // u64[R]: barrier arrivals of remote s
+  static constexpr int64_t kNvshmemCount = kNvshmemBarrier + kU64PerRank;  // u64[R]: count puts of s landed (2; reset)
+  static constexpr int64_t kNvshmemData = kNvshmemCount + kU64PerRank;     // u64[R]: s's rows delivered (announce; reset)
 
   // ---- single words, written by this rank only ----
-  static constexpr int64_t kSingles = kRdmaData + kU64PerRank;
+  static constexpr int64_t kSingles = kNvshmemData + kU64PerRank;
   static constexpr int64_t kBarrierEpoch = kSingles;     // u32: barriers this rank completed = the op's epoch
   static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels
-  static constexpr int64_t kLlEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
-  static constexpr int64_t kLlSendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
-  static constexpr int64_t kLlRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
+  static constexpr int64_t kLowLatencyEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
+  static constexpr int64_t kLowLatencySendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
+  static constexpr int64_t kLowLatencyRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
   // u32: in_flight_device = LL sends on this rank whose receive has not finished (all chains, all configs):
   // +1 by the last block of a send, -1 by the last block of a receive. A send that finds >= 2 skips (error bit 2).
-  static constexpr int64_t kLlInFlight = kSingles + 20;
-  // u32: barriers of the NVSHMEM normal kernels this rank completed (kRdmaBarrier[s] counts those of s: only these
+  static constexpr int64_t kLowLatencyInFlight = kSingles + 20;
+  // u32: barriers of the NVSHMEM normal kernels this rank completed (kNvshmemBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
-  static constexpr int64_t kRdmaEpoch = kSingles + 24;
+  static constexpr int64_t kNvshmemEpoch = kSingles + 24;
   // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
-  static constexpr int64_t kLlFusedToken = kSingles + 32;
+  static constexpr int64_t kLowLatencyFusedToken = kSingles + 32;
 };
 
 namespace signal_header_detail {
@@ -63,16 +63,16 @@ constexpr Word kWords[] = {
     {SignalHeader::kCountFlag, 4 * kMaxGroupRanks, 4},
     {SignalHeader::kDataFlag, 4 * kMaxGroupRanks, 4},
     {SignalHeader::kBlockDone, 4, 4},
-    {SignalHeader::kLlEpoch, 4, 4},
-    {SignalHeader::kLlSendDone, 4, 4},
-    {SignalHeader::kLlRecvDone, 4, 4},
-    {SignalHeader::kLlInFlight, 4, 4},
-    {SignalHeader::kLlFusedToken, 16, 16},  // read and written as one 16-byte vector
-    {SignalHeader::kLlConsumed, 4 * 2 * kMaxGroupRanks, 4},
-    {SignalHeader::kRdmaBarrier, 8 * kMaxGroupRanks, 8},
-    {SignalHeader::kRdmaCount, 8 * kMaxGroupRanks, 8},
-    {SignalHeader::kRdmaData, 8 * kMaxGroupRanks, 8},
-    {SignalHeader::kRdmaEpoch, 4, 4},
+    {SignalHeader::kLowLatencyEpoch, 4, 4},
+    {SignalHeader::kLowLatencySendDone, 4, 4},
+    {SignalHeader::kLowLatencyRecvDone, 4, 4},
+    {SignalHeader::kLowLatencyInFlight, 4, 4},
+    {SignalHeader::kLowLatencyFusedToken, 16, 16},  // read and written as one 16-byte vector
+    {SignalHeader::kLowLatencyConsumed, 4 * 2 * kMaxGroupRanks, 4},
+    {SignalHeader::kNvshmemBarrier, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kNvshmemCount, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kNvshmemData, 8 * kMaxGroupRanks, 8},
+    {SignalHeader::kNvshmemEpoch, 4, 4},
 };
 
 constexpr bool fits_and_aligned() {

@@ -2,12 +2,12 @@
 // formulas (Python asks the native module: normal_buffer_bytes, low_latency_buffer_bytes, staging_plan).
 //
 //   buffer = [signal header | normal region ... | low-latency region]
-//             0               kSignalHeaderBytes  ll_offset            ll_offset + ll_bytes
+//             0               kSignalHeaderBytes  low_latency_offset            low_latency_offset + low_latency_bytes
 //
 // The runtime allocates one buffer per device sized by staging_plan() over every config it serves: the normal region
 // is as large as the largest normal layout, the low-latency region (when any config has LL buffers) starts at
-// ll_offset = the aligned end of the normal region and is as large as the largest LL region. bind_axis() tells the
-// handlers (ll_offset, ll_bytes), so every LL config of a program addresses the same region.
+// low_latency_offset = the aligned end of the normal region and is as large as the largest LL region. bind_axis() tells the
+// handlers (low_latency_offset, low_latency_bytes), so every LL config of a program addresses the same region.
 #pragma once
 
 #include <cstddef>
@@ -50,7 +50,7 @@ struct BufferLayout {
   int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
   // Hierarchical dispatch (forward_nodes() > 0: nodes of nvl_domain >= 2 ranks; 0 otherwise). A token crosses to
   // another node once, to the rank of that node with this rank's local index (the forwarder), which stores it over
-  // NVLink into each of its node's destination ranks (nvshmem/device/normal_rdma.cu):
+  // NVLink into each of its node's destination ranks (nvshmem/device/normal_send.cu):
   //   record = [tag u32 | destination rows i32 kMaxNvlPeers | global ids i32 K | weights f32 K |
   //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
   // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of
@@ -87,11 +87,11 @@ JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4));
 }
 
-// rdma: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area;
-// nvl_domain (num_max_nvl_peers, with rdma): the forwarding areas of hierarchical dispatch where forward_nodes > 0.
+// nvshmem: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area;
+// nvl_domain (num_max_nvl_peers, with nvshmem): the forwarding areas of hierarchical dispatch where forward_nodes > 0.
 JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank,
                                           int64_t num_ranks, int64_t capacity, int64_t num_experts,
-                                          bool rdma = false, int64_t nvl_domain = 0) {
+                                          bool nvshmem = false, int64_t nvl_domain = 0) {
   BufferLayout b{};
   b.rows = capacity > num_ranks * max_tokens_per_rank ? capacity : num_ranks * max_tokens_per_rank;
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
@@ -104,7 +104,7 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.topk_weights = b.topk_idx + align_up(b.rows * 4 * num_topk);
   b.src_idx = b.topk_weights + align_up(b.rows * 4 * num_topk);
   b.total = b.src_idx + align_up(b.rows * 4);
-  if (rdma) {
+  if (nvshmem) {
     b.meta_k = num_topk;
     b.meta_stride = align_up(4 * (2 * num_topk + 1 + scale_cols), 16);
     b.remote_meta = b.total;
@@ -128,21 +128,21 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
 }
 
 inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max_tokens_per_rank, int64_t num_ranks,
-                                   int64_t capacity, int64_t num_experts, bool rdma = false,
+                                   int64_t capacity, int64_t num_experts, bool nvshmem = false,
                                    int64_t nvl_domain = 0) {
-  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts, rdma,
+  return make_buffer_layout(hidden, num_topk, max_tokens_per_rank, num_ranks, capacity, num_experts, nvshmem,
                             nvl_domain).total;
 }
 
 // ---- low-latency mode -----------------------------------------------------------------------------------------
-//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | RDMA words (kLowLatencyRdmaBytes) | half 0 |
+//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | RDMA words (kLowLatencyNvshmemBytes) | half 0 |
 //             half 1]
 //
 // LL ops (dispatch and combine alike) take consecutive epochs n = 1, 2, ... from one device counter; op n uses
 // half n % 2. A rank writes into a peer's half only after that peer has finished reading the op two epochs back
 // from the same half (the peer's "consumed" word of that half), so no op ever waits for a clean step and data of
 // consecutive ops never collides. At most two LL ops (of all LL configs together) may be between their send and
-// their receive at once: the state/token protocol (ll_params.h) refuses a third. One half:
+// their receive at once: the state/token protocol (low_latency_params.h) refuses a third. One half:
 //
 //   c_flags  u32[E]          combine: epoch at which the owner of expert e finished writing its rows here
 //   d_flags  u32[L][R]       dispatch: epoch at which source rank s finished writing its rows of local expert l
@@ -162,7 +162,7 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 //   weights     f32 [R][T_max][kMaxTopk]: source s's topk_weights, for the combine on the expert side
 //
 // Staged configs (EPConfig.allow_nvlink_for_low_latency=False: every row moves by NVSHMEM put-with-signal, the
-// RDMA path of nvshmem/device/ll_rdma.cu) use the same halves and message layout, plus:
+// RDMA path of nvshmem/device/low_latency.cu) use the same halves and message layout, plus:
 //   send     local send slots (the puts' sources must be symmetric memory): dispatch messages [T_max], or combine
 //            rows [E][T_max] (row i of local expert l at l * R * T_max + i)
 //   and, outside the halves at fixed offsets, the RDMA words: counted signals u64 [E] per half (dispatch: index
@@ -186,9 +186,9 @@ struct LowLatencyLayout {
   int64_t send;         // staged configs (NVSHMEM puts): offset inside a half of the local send slots, else 0
   int64_t send_bytes;   //   their bytes: dispatch messages [T_max], or combine rows [E][T_max] bf16 (the larger)
   int64_t half_needed;  // bytes this config needs in one half
-  // RDMA words (buffer offsets; the same for every config, kLowLatencyRdmaBytes after the scratch):
-  int64_t rdma_consumed;   // u64 [2][kMaxGroupRanks]: ops of parity p received by rank s (ADD 1 each, never reset)
-  int64_t rdma_signals[2]; // u64 [kMaxLowLatencyExperts] per half: counted signals (nvshmem/device/counted_signal.cuh)
+  // RDMA words (buffer offsets; the same for every config, kLowLatencyNvshmemBytes after the scratch):
+  int64_t nvshmem_consumed;   // u64 [2][kMaxGroupRanks]: ops of parity p received by rank s (ADD 1 each, never reset)
+  int64_t nvshmem_signals[2]; // u64 [kMaxLowLatencyExperts] per half: counted signals (nvshmem/device/counted_signal.cuh)
 };
 
 // Word offsets inside rank_words (in u32 units).
@@ -197,12 +197,12 @@ struct RankWord {
                        kPartialFlags = 3 * kMaxGroupRanks;
 };
 
-JAX_EP_HD int64_t ll_msg_stride(int64_t hidden) {
+JAX_EP_HD int64_t low_latency_msg_stride(int64_t hidden) {
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
   return align_up(kLowLatencyMsgHeader + 2 * hidden + 4 * scale_cols, 16);
 }
 
-JAX_EP_HD int64_t ll_rank_msg_stride(int64_t hidden) {
+JAX_EP_HD int64_t low_latency_per_rank_msg_stride(int64_t hidden) {
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
   return align_up(kRankMsgHeader + 2 * hidden + 4 * scale_cols, 16);
 }
@@ -219,8 +219,8 @@ JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_t
   b.d_counts = b.d_flags + align_up(4 * E);
   b.rank_words = b.d_counts + align_up(4 * E);
   b.rows = b.rank_words + align_up(4 * 4 * kMaxGroupRanks);
-  b.msg_stride = ll_msg_stride(hidden);
-  b.rank_msg_stride = ll_rank_msg_stride(hidden);
+  b.msg_stride = low_latency_msg_stride(hidden);
+  b.rank_msg_stride = low_latency_per_rank_msg_stride(hidden);
   const int64_t dispatch_end = b.rows + E * max_tokens_per_rank * b.msg_stride;  // L * R = E messages per token slot
   const int64_t combine_end = b.rows + E * max_tokens_per_rank * 2 * hidden;
   const int64_t rank_end = b.rows + num_ranks * max_tokens_per_rank * b.rank_msg_stride;  // per_rank: R per slot
@@ -237,9 +237,9 @@ JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_t
     b.half_needed = align_up(b.send + b.send_bytes);
   }
   b.scratch = region_offset;
-  b.rdma_consumed = region_offset + kLowLatencyScratchBytes;
-  b.rdma_signals[0] = b.rdma_consumed + kLowLatencyConsumedBytes;
-  b.rdma_signals[1] = b.rdma_signals[0] + 8 * kMaxLowLatencyExperts;
+  b.nvshmem_consumed = region_offset + kLowLatencyScratchBytes;
+  b.nvshmem_signals[0] = b.nvshmem_consumed + kLowLatencyConsumedBytes;
+  b.nvshmem_signals[1] = b.nvshmem_signals[0] + 8 * kMaxLowLatencyExperts;
   b.half[0] = region_offset + kLowLatencyFixedBytes;
   b.half[1] = b.half[0] + half_bytes;
   return b;
@@ -252,16 +252,16 @@ inline int64_t low_latency_buffer_bytes(int64_t hidden, int64_t max_tokens_per_r
          2 * make_low_latency_layout(hidden, max_tokens_per_rank, num_experts, num_ranks, 0, 0, staged).half_needed;
 }
 
-// Bytes of one half inside an LL region of ll_bytes (what a bound region offers every config).
-JAX_EP_HD int64_t ll_half_bytes(int64_t ll_bytes) {
-  return ll_bytes > kLowLatencyFixedBytes ? (ll_bytes - kLowLatencyFixedBytes) / 2 / kAlign * kAlign : 0;
+// Bytes of one half inside an LL region of low_latency_bytes (what a bound region offers every config).
+JAX_EP_HD int64_t low_latency_half_bytes(int64_t low_latency_bytes) {
+  return low_latency_bytes > kLowLatencyFixedBytes ? (low_latency_bytes - kLowLatencyFixedBytes) / 2 / kAlign * kAlign : 0;
 }
 
 // ---- the plan -------------------------------------------------------------------------------------------------
 struct StagingPlan {
   int64_t buffer_bytes;  // per device
-  int64_t ll_offset;     // start of the LL region (= aligned end of the normal region, >= kSignalHeaderBytes)
-  int64_t ll_bytes;      // LL region bytes, 0 when no config has LL buffers
+  int64_t low_latency_offset;     // start of the LL region (= aligned end of the normal region, >= kSignalHeaderBytes)
+  int64_t low_latency_bytes;      // LL region bytes, 0 when no config has LL buffers
 };
 
 // normal[i]: normal_buffer_bytes of config i; low_latency[j]: low_latency_buffer_bytes of config j with LL buffers.
@@ -270,12 +270,12 @@ inline StagingPlan make_staging_plan(const int64_t* normal, size_t num_normal, c
                                      size_t num_low_latency) {
   int64_t normal_max = kSignalHeaderBytes;  // the header always exists
   for (size_t i = 0; i < num_normal; ++i) normal_max = normal[i] > normal_max ? normal[i] : normal_max;
-  int64_t ll_max = 0;
-  for (size_t i = 0; i < num_low_latency; ++i) ll_max = low_latency[i] > ll_max ? low_latency[i] : ll_max;
+  int64_t low_latency_max = 0;
+  for (size_t i = 0; i < num_low_latency; ++i) low_latency_max = low_latency[i] > low_latency_max ? low_latency[i] : low_latency_max;
   StagingPlan p{};
-  p.ll_offset = align_up(normal_max);
-  p.ll_bytes = ll_max;
-  p.buffer_bytes = p.ll_offset + align_up(ll_max);
+  p.low_latency_offset = align_up(normal_max);
+  p.low_latency_bytes = low_latency_max;
+  p.buffer_bytes = p.low_latency_offset + align_up(low_latency_max);
   return p;
 }
 

@@ -1,0 +1,76 @@
+// Block-wide routing layout: rank membership, per-rank and per-expert counts and (optionally) send positions.
+// Shared by the standalone layout kernel (layout_kernels.cu) and the dispatch notify kernel (normal_kernels.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "jax_ep/constants.h"
+#include "jax_ep/layout_params.h"
+
+namespace jax_ep::layout {
+
+// Scratch the caller provides in shared memory.
+struct BlockSmem {
+  int32_t warp_count[kLayoutThreads / 32][kMaxLayoutRanks];  // per tile: tokens of each warp sent to each rank
+  int32_t rank_base[kMaxLayoutRanks];                        // running count per rank over the tiles done
+};
+
+// Must be called by all kLayoutThreads threads of one block. s_expert: [E] s32 in shared memory.
+// NOTE: tokens are taken in tiles of kLayoutThreads, one per thread, so a warp ballot + a scan over the 32 warp
+// counts gives each token its position among the tokens sent to a rank in token order (SPEC: rows by token index).
+__device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_expert) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kWarps = kLayoutThreads / 32;
+  const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
+  const int L = E / R;
+  for (int e = tid; e < E; e += kLayoutThreads) s_expert[e] = 0;
+  if (tid < R) sm.rank_base[tid] = 0;
+  __syncthreads();
+
+  const unsigned lt_mask = (1u << lane) - 1u;
+  for (int tile = 0; tile < T; tile += kLayoutThreads) {
+    const int t = tile + tid;
+    const bool valid = t < T;
+    uint64_t mask = 0;
+    if (valid) {
+      const int32_t* row = p.topk_idx + static_cast<int64_t>(t) * K;
+      int32_t ids[kMaxTopk];
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < K ? __ldg(row + k) : -1;
+      for (int k = 0; k < K; ++k) {
+        const int32_t r = rank_of_expert(ids[k], E, L);
+        if (r < 0) continue;
+        mask |= uint64_t{1} << r;
+        if (!repeats_earlier(ids, k)) atomicAdd(&s_expert[ids[k]], 1);
+      }
+      if (p.is_token_in_rank != nullptr)
+        for (int r = 0; r < R; ++r) p.is_token_in_rank[static_cast<int64_t>(t) * R + r] = (mask >> r) & 1;
+    }
+    for (int r = 0; r < R; ++r) {
+      const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1);
+      if (lane == 0) sm.warp_count[warp][r] = __popc(b);
+    }
+    __syncthreads();
+    if (tid < R) {  // exclusive scan over the warps of this tile, continuing from earlier tiles
+      int32_t running = sm.rank_base[tid];
+      for (int w = 0; w < kWarps; ++w) {
+        const int32_t c = sm.warp_count[w][tid];
+        sm.warp_count[w][tid] = running;
+        running += c;
+      }
+      sm.rank_base[tid] = running;
+    }
+    __syncthreads();
+    if (p.send_pos != nullptr) {
+      for (int r = 0; r < R; ++r) {
+        const bool bit = (mask >> r) & 1;
+        const unsigned b = __ballot_sync(0xffffffffu, bit);
+        if (valid)
+          p.send_pos[static_cast<int64_t>(t) * R + r] = bit ? sm.warp_count[warp][r] + __popc(b & lt_mask) : -1;
+      }
+    }
+    __syncthreads();  // warp_count is rewritten by the next tile
+  }
+}
+
+}  // namespace jax_ep::layout

@@ -1,0 +1,316 @@
+// Low-latency per_rank mode (EPConfig.low_latency_mode, docs/SPEC.md §4): one message per (token, destination
+// rank) instead of one per (token, expert); the outputs are those of per_expert mode (low_latency_kernels.cu), plus the
+// handle's message tables.
+//
+//   dispatch send   low_latency_send.cuh (shared with per_expert mode, launched from low_latency_kernels.cu): one block per token,
+//                   one message per destination rank into [me][position], with a header naming the local expert
+//                   of every top-k slot; the last block publishes each rank's message count and flag.
+//   dispatch recv   blocks (l, part): wait for every source's flag; for each source s in rank order, scan its
+//                   messages in order, pick those naming l, pack them into recv_x[l] (same row order as per_expert:
+//                   source rank, then token) and fill src_info, layout_range, token_rows; expert 0's blocks also
+//                   write msg_token and the -1 entries of token_rows.
+//   combine push    one block: this rank's topk_weights [T, K] into every rank's weights area, then w_flags.
+//   combine send    one block per message (s, j): partial = sum over k in order of w[s][t][k] * expert_out[row] in
+//                   f32 (rows from token_rows), stored as bf16 at rank s, slot [me][t]; the last block raises p_flags.
+//   combine recv    blocks (t, part): wait for the p_flags of t's ranks; y[t] = sum over them (ascending) in f32.
+//
+// Protocol (epochs, halves, state/token, consumed words) as in low_latency_kernels.cu (low_latency_protocol.cuh); layout of the
+// per_rank words, messages and weights: staging_layout.h. Memory ordering as in transport/peer.cuh.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/copy.cuh"
+#include "common/preload.cuh"
+#include "common/ptx.cuh"
+#include "common/thread.cuh"
+#include "jax_ep/api.h"
+#include "jax_ep/layout_params.h"
+#include "kernels/low_latency_device.cuh"
+#include "kernels/low_latency_protocol.cuh"
+#include "kernels/low_latency_per_rank_kernels.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep::low_latency::per_rank {
+namespace {
+
+__device__ __forceinline__ uint32_t* rank_word(char* half_base, const LowLatencyLayout& low_latency, int word) {
+  return header_word(half_base, low_latency.rank_words + 4 * word);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, K = p.num_topk, rows_per_expert = R * Tm;
+  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int warp = warp_id(), lane = lane_id(), nw = num_warps();
+  char* half = self_base(g) + half_offset(c.low_latency, epoch);
+  __shared__ int32_t s_n[kMaxGroupRanks];
+  __shared__ int32_t s_warp_count[kThreads / 32];
+  __shared__ int32_t s_list[kThreads];
+  if (tid < R) {
+    wait_reached(rank_word(half, c.low_latency, RankWord::kFlags + tid), epoch, g.timeout_ns,
+                 "low-latency dispatch receive (per_rank)", g.rank, tid);
+    const int32_t n = __ldcg(reinterpret_cast<const int32_t*>(rank_word(half, c.low_latency, RankWord::kCounts + tid)));
+    s_n[tid] = min(max(n, 0), Tm);  // never trust a count beyond the slots
+  }
+  __syncthreads();
+  auto message = [&](int s, int j) -> const char* {
+    return half + c.low_latency.rows + (static_cast<int64_t>(s) * Tm + j) * c.low_latency.rank_msg_stride;
+  };
+  auto slot_id = [&](const char* msg, int k) { return __ldcg(reinterpret_cast<const int32_t*>(msg + 16) + k); };
+  if (l == 0) {  // the message tables' entries no expert block writes: msg_token, and -1 slots of token_rows
+    for (int idx = part * blockDim.x + tid; idx < R * Tm; idx += parts * blockDim.x) {
+      const int s = idx / Tm, j = idx % Tm;
+      const bool valid = j < s_n[s];
+      const char* msg = message(s, j);
+      p.msg_token[idx] = valid ? __ldcg(reinterpret_cast<const int32_t*>(msg)) : -1;
+      for (int k = 0; k < K; ++k)
+        if (!valid || slot_id(msg, k) < 0) p.token_rows[static_cast<int64_t>(idx) * K + k] = -1;
+    }
+  }
+  const int payload_bytes = p.use_fp8 ? H : 2 * H;
+  const int nseg = (payload_bytes + kSegBytes - 1) / kSegBytes;
+  const int S = H / kFp8Block;
+  char* out = static_cast<char*>(p.recv_x) + static_cast<int64_t>(l) * rows_per_expert * payload_bytes;
+  int off = 0;  // rows of expert l from sources < s
+  for (int s = 0; s < R; ++s) {
+    const int n = s_n[s], first = off;
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+      const int j = j0 + tid;
+      bool chosen = false;
+      if (j < n) {
+        const char* msg = message(s, j);
+        for (int k = 0; k < K; ++k) chosen |= (slot_id(msg, k) == l);
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, chosen);
+      if (lane == 0) s_warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, chunk = 0;
+      for (int w = 0; w < nw; ++w) {
+        before += w < warp ? s_warp_count[w] : 0;
+        chunk += s_warp_count[w];
+      }
+      if (chosen) {
+        const int slot = before + __popc(ballot & ((1u << lane) - 1u));
+        const int i = off + slot;  // row in recv_x[l]
+        s_list[slot] = j;
+        if (part == 0) {
+          const char* msg = message(s, j);
+          p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] = __ldcg(reinterpret_cast<const int32_t*>(msg));
+          for (int k = 0; k < K; ++k)
+            if (slot_id(msg, k) == l)
+              p.token_rows[(static_cast<int64_t>(s) * Tm + j) * K + k] = l * rows_per_expert + i;
+        }
+      }
+      __syncthreads();
+      for (int item = part * nw + warp; item < chunk * nseg; item += parts * nw) {
+        const int slot = item / nseg, seg = item % nseg, boff = seg * kSegBytes;
+        copy_segment_cg(out + static_cast<int64_t>(off + slot) * payload_bytes + boff,
+                        message(s, s_list[slot]) + kRankMsgHeader + boff, min(kSegBytes, payload_bytes - boff));
+      }
+      if (p.use_fp8) {
+        float* scales = p.recv_x_scales + static_cast<int64_t>(l) * rows_per_expert * S;
+        for (int idx = part * blockDim.x + tid; idx < chunk * S; idx += parts * blockDim.x) {
+          const int slot = idx / S, col = idx % S;
+          scales[static_cast<int64_t>(off + slot) * S + col] =
+              __ldcg(reinterpret_cast<const float*>(message(s, s_list[slot]) + kRankMsgHeader + H) + col);
+        }
+      }
+      off += chunk;
+      __syncthreads();  // s_list / s_warp_count are reused
+    }
+    if (part == 0 && tid == 0) p.layout_range[l * R + s] = off - first;
+  }
+  if (part == 0) {
+    if (tid == 0) p.recv_count[l] = off;
+    for (int i = off + tid; i < rows_per_expert; i += blockDim.x)
+      p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] = -1;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    low_latency_per_rank_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
+  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch); });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The combine's weight push: the same decision as the send kernel that follows (send_decision), no state written.
+__global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_combine_push_kernel(const __grid_constant__ CombineSendParams p) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0) {
+    bool device_error = false;
+    send_decision(p.c.g, p.io, p.fused, &s_gate, &device_error);
+  }
+  __syncthreads();
+  if (!s_gate.work) return;
+  const GroupCtx& g = p.c.g;
+  const int R = g.num_ranks, me = g.rank, Tm = p.c.max_tokens, K = p.num_topk, T = p.num_tokens;
+  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, s_gate.epoch);
+  __syncthreads();
+  const int64_t half = half_offset(p.c.low_latency, s_gate.epoch);
+  for (int d = 0; d < R; ++d) {
+    float* dst = reinterpret_cast<float*>(peer_base(g, d) + half + p.c.low_latency.weights) +
+                 static_cast<int64_t>(me) * Tm * kMaxTopk;
+    for (int idx = threadIdx.x; idx < T * K; idx += blockDim.x)
+      dst[(idx / K) * kMaxTopk + idx % K] = __ldg(p.topk_weights + idx);
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    __threadfence_system();
+    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half, p.c.low_latency, RankWord::kWeightFlags + me), s_gate.epoch);
+  }
+}
+
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
+  const int tid = threadIdx.x, n8 = H / 8;
+  const int64_t half = half_offset(c.low_latency, epoch);
+  char* self_half = self_base(g) + half;
+  const int64_t num_rows = static_cast<int64_t>(L) * R * Tm;
+  __shared__ int64_t s_row[kMaxTopk];
+  __shared__ float s_w[kMaxTopk];
+  __shared__ int32_t s_token;
+  for (int m = blockIdx.x; m < R * Tm; m += gridDim.x) {
+    const int s = m / Tm;
+    if (tid == 0) {
+      const int32_t t = __ldg(p.msg_token + m);
+      s_token = (t >= 0 && t < Tm) ? t : -1;  // a corrupted handle never writes out of bounds
+      if (s_token >= 0)
+        wait_reached(rank_word(self_half, c.low_latency, RankWord::kWeightFlags + s), epoch, g.timeout_ns,
+                     "low-latency combine send (per_rank, weights)", g.rank, s);
+    }
+    __syncthreads();
+    const int t = s_token;
+    if (t >= 0 && tid < K) {
+      const int32_t row = __ldg(p.token_rows + static_cast<int64_t>(m) * K + tid);
+      const bool ok = row >= 0 && row < num_rows;
+      s_row[tid] = ok ? row : -1;
+      s_w[tid] = ok ? __ldcg(reinterpret_cast<const float*>(self_half + c.low_latency.weights) +
+                             (static_cast<int64_t>(s) * Tm + t) * kMaxTopk + tid)
+                    : 0.0f;
+    }
+    __syncthreads();
+    if (t >= 0) {
+      char* dst = peer_base(g, s) + half + c.low_latency.rows + (static_cast<int64_t>(me) * Tm + t) * 2 * H;
+      for (int ci = tid; ci < n8; ci += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < K; ++k) {
+          if (s_row[k] < 0) continue;
+          fma_bf16x8(acc, s_w[k], ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const char*>(p.expert_out) +
+                                                                      s_row[k] * 2 * H) + ci));
+        }
+        const int4 o = pack_bf16x8(acc);
+        st_v4(reinterpret_cast<int4*>(dst) + ci, o);
+      }
+    }
+    __syncthreads();  // s_token / s_row / s_w are reused
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) low_latency_per_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
+  __shared__ Gate s_gate;
+  __shared__ int32_t s_last;
+  if (threadIdx.x == 0)
+    open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
+  __syncthreads();
+  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  const GroupCtx& g = p.c.g;
+  if (s_gate.work && threadIdx.x < g.num_ranks) {
+    __threadfence_system();
+    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half_offset(p.c.low_latency, s_gate.epoch), p.c.low_latency,
+                             RankWord::kPartialFlags + g.rank),
+                   s_gate.epoch);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) finish_send_last(g, p.io, s_gate);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk, R = g.num_ranks;
+  const int part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  char* half = self_base(g) + half_offset(c.low_latency, epoch);
+  __shared__ uint32_t s_mask;
+  const char* rows = half + c.low_latency.rows;
+  // Tokens t = blockIdx.x, blockIdx.x + gridDim.x, ... (combine_recv_grid: one wave); T = 0 runs no iteration and
+  // the frame's finish_recv still publishes the epoch.
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of s_mask are done
+    if (tid == 0) {
+      uint32_t mask = 0;
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + k);
+        if (layout::valid_expert(e, E)) mask |= 1u << (e / L);  // masked slots (any weight) never contribute
+      }
+      s_mask = mask;
+    }
+    __syncthreads();
+    if (tid < R && ((s_mask >> tid) & 1u))
+      wait_reached(rank_word(half, c.low_latency, RankWord::kPartialFlags + tid), epoch, g.timeout_ns,
+                   "low-latency combine receive (per_rank)", g.rank, tid);
+    __syncthreads();
+    const uint32_t mask = s_mask;
+    for (int ci = part * blockDim.x + tid; ci < H / 8; ci += parts * blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      constexpr int kTerms = kTermsInFlight / 2;  // 4 int4 in flight: 8 would spill under the 64-register cap
+      for (int d0 = 0; d0 < R; d0 += kTerms) {  // the chunk's loads in flight, then ascending rank order
+        int4 v[kTerms];
+#pragma unroll
+        for (int u = 0; u < kTerms; ++u)
+          if (d0 + u < R && ((mask >> (d0 + u)) & 1u))
+            v[u] = ld_cg_v4(reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(d0 + u) * Tm + t) * 2 * H) + ci);
+#pragma unroll
+        for (int u = 0; u < kTerms; ++u) {
+          if (!(d0 + u < R && ((mask >> (d0 + u)) & 1u))) continue;  // docs/SPEC.md: ascending rank order
+          float f[8];
+          unpack_bf16x8(v[u], f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += f[i];
+        }
+      }
+      const int4 o = pack_bf16x8(acc);
+      reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(p.y) + static_cast<int64_t>(t) * H)[ci] = o;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
+}
+
+}  // namespace
+
+Status preload_kernels() {
+  return preload({reinterpret_cast<const void*>(low_latency_per_rank_dispatch_recv_kernel),
+                  reinterpret_cast<const void*>(low_latency_per_rank_combine_push_kernel),
+                  reinterpret_cast<const void*>(low_latency_per_rank_combine_send_kernel),
+                  reinterpret_cast<const void*>(low_latency_per_rank_combine_recv_kernel)});
+}
+
+Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
+  low_latency_per_rank_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);  // one wave, like per_expert's
+  return launched("low-latency dispatch receive (per_rank)");
+}
+
+Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
+  low_latency_per_rank_combine_push_kernel<<<1, kCombineRecvThreads, 0, stream>>>(p);
+  JAX_EP_RETURN_IF_ERROR(launched("low-latency combine weight push (per_rank)"));
+  const int messages = p.c.g.num_ranks * p.c.max_tokens;
+  low_latency_per_rank_combine_send_kernel<<<std::max(1, std::min(messages, 2 * sm_count_or_default(p.c))), kThreads, 0, stream>>>(p);
+  return launched("low-latency combine send (per_rank)");
+}
+
+Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
+  low_latency_per_rank_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
+  return launched("low-latency combine receive (per_rank)");
+}
+
+}  // namespace jax_ep::low_latency::per_rank

@@ -1,0 +1,201 @@
+// Device side of the low-latency protocol: epochs and buffer halves (staging_layout.h), the per-half consumed
+// words, and the program-order state/token of low_latency_params.h. Used by the four LL kernels (low_latency_kernels.cu) only.
+//
+// Every LL kernel is  open (thread 0 of every block: read the state/token, decide) -> body (only when the op works)
+// -> finish (the last block to finish writes the output state and advances the device words).
+// NOTE (why the decision is the same in every block): each block reads the input state, the token and the header
+// words kLowLatencyEpoch / kLowLatencyInFlight at its start; the only writer of the output state (which may be the input buffer
+// itself: the aliased operand/result pair) and of those header words is the last block of the kernel, which writes
+// after every block has counted itself done, i.e. after every block's reads. Between kernels, stream order.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "common/ptx.cuh"
+#include "jax_ep/low_latency_params.h"
+#include "jax_ep/signal_header.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep::low_latency {
+
+// A kernel's decision, computed by thread 0 of each block into shared memory (block-uniform).
+struct Gate {
+  int4 state_out;   // [seq, in_flight, error, 0]: what the last block writes to io.state_out (if any)
+  uint32_t epoch;   // the op's epoch (0 when it skips)
+  int32_t work;     // 0: skip everything (output error != 0)
+};
+
+__device__ __forceinline__ uint32_t* low_latency_word(const GroupCtx& g, int64_t header_offset) {
+  return header_word(self_base(g), header_offset);
+}
+
+__device__ __forceinline__ uint32_t load_volatile(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+// Buffer offset of the half used by the op of `epoch`. NOTE: a select, not half[epoch & 1]: a dynamic index into a
+// by-value kernel parameter would copy the struct to local memory.
+__device__ __forceinline__ int64_t half_offset(const LowLatencyLayout& low_latency, uint32_t epoch) {
+  return (epoch & 1u) ? low_latency.half[1] : low_latency.half[0];
+}
+
+// Before writing into peer d's half for epoch n: d has finished reading op n-2 from that half.
+__device__ __forceinline__ void wait_consumed(const GroupCtx& g, int d, uint32_t epoch) {
+  wait_reached(low_latency_word(g, SignalHeader::kLowLatencyConsumed + 4 * (kMaxGroupRanks * (epoch & 1u) + d)), epoch - 2u,
+               g.timeout_ns, "low-latency send (peer still reading the op two epochs back)", g.rank, d);
+}
+
+// Ops of op n's parity that come before it (epochs n-2, n-4, ..., >= 1): the count every rank's consumed counter of
+// that parity must reach before op n writes into its half (NVSHMEM path: ADD-only counters instead of epochs).
+// NOTE: epochs are u32; after 2^32 LL ops on one device this count (and the NVLink path's wrap-safe compare of
+// epochs) would need a wider epoch.
+__device__ __forceinline__ uint64_t consumed_target(uint32_t n) { return n >= 1u ? (n - 1u) / 2u : 0u; }
+
+// The decision of a send (thread 0 of each block; no side effects): the output state and, when it works, the op's
+// epoch. `device_error` tells whether the device check (below) failed, for the caller's message.
+// nvshmem_consumed: the NVSHMEM path's consumed counters (u64 [2][kMaxGroupRanks], LowLatencyLayout::nvshmem_consumed),
+// nullptr on the NVLink path (the header's consumed epochs).
+// NOTE (state words): the input state and the token are XLA buffers written by earlier kernels of the stream; read
+// with ld.global.cg (never a stale L1 line).
+__device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& io, bool fused, Gate* gate,
+                                              bool* device_error, const uint64_t* nvshmem_consumed = nullptr) {
+  const int4 in4 = __ldcg(reinterpret_cast<const int4*>(io.state_in));
+  const ChainState in{in4.x, in4.y, in4.z};
+  ChainState out = fused ? after_fused(in) : after_send(in);
+  *device_error = false;
+  if (out.error == 0) {
+    // NOTE (in_flight_device): +1 by the last block of every send, -1 by the last block of every receive (both only
+    // when the op works), so it counts this rank's LL ops between send and receive over all chains and configs.
+    // Two is the most the buffer halves allow; a third would overwrite data a peer has not read yet.
+    // NOTE (own consumed word): this send's half still holds op n-2 until this rank's own receive of n-2 has run.
+    // That receive is earlier on this stream or later; if later, waiting for it (wait_consumed) would deadlock, so
+    // a send whose n-2 is not consumed here is a misordered program: skip it with the error instead. This also
+    // covers two sends in flight with a third coming (in_flight_device >= 2), and a receive of n-2 queued behind a
+    // later one (independent chains).
+    const uint32_t dev = load_volatile(low_latency_word(g, SignalHeader::kLowLatencyInFlight));
+    const uint32_t next = load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) + 1u;
+    bool own_consumed;
+    if (nvshmem_consumed != nullptr) {
+      own_consumed = *reinterpret_cast<const volatile uint64_t*>(nvshmem_consumed + kMaxGroupRanks * (next & 1u) +
+                                                                 g.rank) >= consumed_target(next);
+    } else {
+      const uint32_t own = load_volatile(
+          low_latency_word(g, SignalHeader::kLowLatencyConsumed + 4 * (kMaxGroupRanks * (next & 1u) + g.rank)));
+      own_consumed = reached(own, next - 2u);
+    }
+    if (dev >= static_cast<uint32_t>(kMaxLowLatencyInFlight) || !own_consumed) {
+      out.error |= kErrorDevice;
+      *device_error = true;
+    }
+  }
+  gate->state_out = make_int4(out.seq, out.in_flight, out.error, 0);
+  gate->work = out.error == 0;
+  // Epoch of the op being sent: one more than the last send on this rank (set at the end of every working send).
+  gate->epoch = gate->work ? load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) + 1u : 0u;
+}
+
+// Thread 0 of each block of a send kernel. `op` names the op in the device over-subscription message.
+// NOTE: a kernel launched before the send kernel of the same op (the per_rank combine's weight push) takes the
+// same decision with send_decision: nothing between them on the stream changes what it reads.
+__device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, bool fused, int32_t num_tokens,
+                                          const char* op, Gate* gate, const uint64_t* nvshmem_consumed = nullptr) {
+  bool device_error = false;
+  send_decision(g, io, fused, gate, &device_error, nvshmem_consumed);
+  if (device_error && blockIdx.x == 0 && blockIdx.y == 0)
+    printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
+           "here: the program forked the LL state or ran LL ops on independent chains\n",
+           op, g.rank, load_volatile(low_latency_word(g, SignalHeader::kLowLatencyInFlight)),
+           load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) - 1u);
+  if (blockIdx.x == 0 && blockIdx.y == 0)
+    *reinterpret_cast<int4*>(io.token) = make_int4(static_cast<int32_t>(gate->epoch), num_tokens,
+                                                   gate->state_out.z, 0);  // read by the op's receive
+}
+
+// Thread 0 of each block of a receive kernel (split: state_in != nullptr; fused: the send wrote the state).
+__device__ __forceinline__ void open_recv(const ChainIO& io, Gate* gate) {
+  const int4 tok = __ldcg(reinterpret_cast<const int4*>(io.token));
+  ChainState out{0, 0, tok.z};
+  if (io.state_in != nullptr) {
+    const int4 in4 = __ldcg(reinterpret_cast<const int4*>(io.state_in));
+    out = after_recv(ChainState{in4.x, in4.y, in4.z}, tok.z);
+  }
+  gate->state_out = make_int4(out.seq, out.in_flight, out.error, 0);
+  // NOTE: a receive works iff its own send worked (token error 0), whatever the chain's error says: the data of a
+  // send that happened is received and its half marked consumed, so in_flight_device comes back down and the
+  // device recovers from a misordered program without a new initialize (the chain state keeps the error).
+  gate->work = tok.z == 0 && tok.x != 0;
+  gate->epoch = static_cast<uint32_t>(tok.x);
+}
+
+// Called by every thread of every block (once per block) at its end. Returns true in thread 0 of the last block to
+// get here, after every other block of the kernel got here (and after their reads and writes: fenced).
+__device__ __forceinline__ bool last_block_done(uint32_t* counter) {
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  __threadfence();  // this block's loads (state, token, half) and stores are complete before it is counted
+  if (atomicAdd(counter, 1u) != gridDim.x * gridDim.y - 1) return false;
+  atomicExch(counter, 0u);  // every block has counted itself: reset for the next kernel
+  __threadfence();
+  return true;
+}
+
+__device__ __forceinline__ void write_state(const ChainIO& io, const Gate& gate) {
+  if (io.state_out != nullptr) *reinterpret_cast<int4*>(io.state_out) = gate.state_out;
+}
+
+// End of every send kernel (all threads of all blocks): the last block advances this rank's epoch counter and
+// in_flight_device (working op) and writes the output state (finish_send_last: thread 0 of the last block).
+__device__ __forceinline__ void finish_send_last(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (gate.work) {
+    *reinterpret_cast<volatile uint32_t*>(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) = gate.epoch;
+    atomicAdd(low_latency_word(g, SignalHeader::kLowLatencyInFlight), 1u);
+  }
+  write_state(io, gate);
+}
+
+__device__ __forceinline__ void finish_send(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (last_block_done(low_latency_word(g, SignalHeader::kLowLatencySendDone))) finish_send_last(g, io, gate);
+}
+
+// Thread 0 of a receive's last block, after it published the consumed epoch: in_flight_device -= 1, the state.
+__device__ __forceinline__ void end_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (gate.work) {
+    // NOTE: never below 0 (a receive whose send predates the group's zeroing cannot exist, but stay saturating).
+    uint32_t* dev = low_latency_word(g, SignalHeader::kLowLatencyInFlight);
+    uint32_t cur = load_volatile(dev);
+    while (cur > 0u) {
+      const uint32_t seen = atomicCAS(dev, cur, cur - 1u);
+      if (seen == cur) break;
+      cur = seen;
+    }
+  }
+  write_state(io, gate);
+}
+
+// End of every receive kernel on the NVLink path: once all blocks have read their part of the half, tell every
+// rank (this one too) that epoch n is consumed here (the epoch, stored into its header through the peer pointer),
+// so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path: nvshmem/device/low_latency.cu.)
+__device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  if (!last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone))) return;
+  if (gate.work) {
+    __threadfence_system();
+    for (int d = 0; d < g.num_ranks; ++d)
+      st_release_sys(header_word(peer_base(g, d),
+                                 SignalHeader::kLowLatencyConsumed + 4 * (kMaxGroupRanks * (gate.epoch & 1u) + g.rank)),
+                     gate.epoch);
+  }
+  end_recv(g, io, gate);
+}
+
+// The frame of every receive kernel: open (block-uniform decision), body(epoch) only when the op works, finish.
+template <typename Params, typename Body>
+__device__ __forceinline__ void receive_frame(const Params& p, Body body) {
+  __shared__ Gate s_gate;
+  if (threadIdx.x == 0) open_recv(p.io, &s_gate);
+  __syncthreads();
+  if (s_gate.work) body(s_gate.epoch);  // block-uniform
+  finish_recv(p.c.g, p.io, s_gate);
+}
+
+}  // namespace jax_ep::low_latency

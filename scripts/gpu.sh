@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# The one GPU entry point of jax_ep: scripts/gpu.sh STEP [STEP...]. Builds once, sources scripts/gpu_env.sh, runs
+# each step's commands under time limits and goes on after a failure; one log per step and summary.txt (exit
+# statuses, pass/fail lines) in $OUT (the device machine's output folder) or else gpu-logs/. Exit status 1 if any
+# step failed. After any change under cuda/, nvshmem/ or xla_ffi/:   scripts/gpu.sh check
+# Steps and variables: scripts/gpu.sh --help.   Print the commands, run nothing:   DRY_RUN=1 scripts/gpu.sh check
+set -u
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+. scripts/gpu_env.sh
+
+usage() { cat <<'EOF'
+usage: scripts/gpu.sh STEP [STEP...]        (--help: this text)
+Builds first (once per call), then runs the steps in order, each one also after a failed one; exit status 1 if any
+failed. Logs in $OUT if set (the device machine's output folder), else gpu-logs/: STEP.log per step and summary.txt
+(GPUs; each command's exit status, seconds, pass/fail lines; each step's status), printed as it grows. The device
+machine returns 8 files of $OUT at most: up to about 6 steps per call. Environment: scripts/gpu_env.sh.
+steps:
+  build              python3 -m pip install --no-build-isolation --no-deps -e . -v, then import the native modules
+  suite              the GPU pytest files, one process each (a kernel that traps poisons its CUDA context)
+  multiprocess       tests/gpu/test_multiprocess_cuda.py (one process per GPU): its NVSHMEM cases (-k "nvshmem or
+                     two_launchers or across"), then the others
+  sanitize           compute-sanitizer SAN_TOOLS on tests/programs/sanitize/ SAN_PROGRAMS, the NVSHMEM ones in N
+                     processes (N > 2: one sanitizer per process); with memcheck also normal_nvshmem_small with
+                     JAX_EP_TEST_WIDE_SEND=1 and low_latency_small at -n 1 with JAX_EP_TEST_ALL_PEERS_REMOTE=1.
+                     Exit status 99: the sanitizer reported errors
+  check              = build suite multiprocess sanitize
+  cmdbuf             pytest -s tests/gpu -k scan with XLA command buffers off, then FUSION,CUSTOM_CALL
+  examples           examples/moe_layer.py --steps 10, then --mode low_latency
+  bench              python3 -m jax_ep.bench (one process, every GPU) BENCH_ARGS
+  bench-nvshmem      jax_ep.bench in N processes (launch -n N), each of BENCH_MODES through the NVLink (--nvl 8) and
+                     the NVSHMEM kernels (--nvl 1: nodes of one GPU); then low-latency --nvl 1 per PUT_SWEEP value
+  low-latency-ratio  low-latency NVSHMEM / NVLink time at EP2, less noisy than one bench run: REPS alternations of
+                     CONFIGS, CALLS chained calls per loop; a table of medians and ratios to the first config
+  low-latency-ab     low-latency bench of the tree in OLD, then of this one, each built, at EP2 with --nvl 8 and 1
+  shared-gpu         groups larger than the GPUs (launch --processes-per-gpu) under the CUDA MPS daemon (started as
+                     a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
+  first-call         python3 -m jax_ep.bench.first_call, one process and one per GPU: eager, lazy, then eager with
+                     CUDA_MODULE_LOADING=EAGER and with command buffers off. WARMUP_AB=1 instead: eager with
+                     warm-up ops on and off (--no-warmup-ops), XLA preallocation off and on (fraction 0.5)
+  cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
+variables (default):
+  DRY_RUN=1  print the commands, run nothing       NO_BUILD=1  no build (the tree was built before)
+  PREBUILT=DIR  where build/ is missing, copy DIR's _jax_ep_*.so into jax_ep/ instead of building
+  KEEP_MODULES=1  copy the built .so files to the logs       PYTHON (python3)
+  SCRATCH (/tmp/jax_ep_gpu)  bench results and per-process logs, kept out of $OUT
+  N (2)  processes (= GPUs) of sanitize and bench-nvshmem     GPUS (all)  first-call's one-per-GPU runs
+  SUITE_FILES (tests/test_native_build.py tests/gpu/test_*.py but test_multiprocess_cuda.py)  SUITE_LIMIT (200 s)
+  MP_K  multiprocess as one run: pytest -k MP_K
+  SAN_TOOLS (memcheck racecheck)  SAN_PROGRAMS (intranode low_latency normal device_check)
+  SAN_KERNELS (kns=nvshmem_)  --kernel-name of the NVSHMEM programs ("" = every kernel; intranode: kns=jax_ep,
+     device_check: kns=device_check). Other variables pass through: JAX_EP_SANITIZE_NVL=2 with N=4 normal: the
+     forward kernels of hierarchical dispatch
+  BENCH_ARGS  more arguments of bench (default: its GPU defaults)
+  BENCH_MODES (low_latency normal)  LOW_LATENCY_TOKENS (1,32,128)  TOKENS (4096, normal mode)  PUT_SWEEP (none)
+  REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
+  OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)
+  SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
+e.g.  scripts/gpu.sh check;  N=4 SAN_PROGRAMS=normal JAX_EP_SANITIZE_NVL=2 scripts/gpu.sh sanitize
+EOF
+}
+
+LOG=${OUT:-$ROOT/gpu-logs}; SUMMARY=$LOG/summary.txt; SCRATCH=${SCRATCH:-/tmp/jax_ep_gpu}
+PY=${PYTHON:-python3}; N=${N:-2}; DRY=${DRY_RUN:-}; [ "$DRY" = 0 ] && DRY=
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rs)
+LL_TOKENS=${LOW_LATENCY_TOKENS:-1,32,128}; SAN_KERNELS=${SAN_KERNELS-kns=nvshmem_}
+# pass/fail lines: pytest's summary, compute-sanitizer's, the programs' "...: OK", the examples', errors
+PASS_RE='[0-9]+ (passed|failed|errors?|skipped)|no tests ran|ERROR SUMMARY|RACECHECK SUMMARY|: OK|skipped:'
+PASS_RE+='|went down|go down|decode step:|[A-Za-z]+Error:|Segmentation|Trapping'
+RANK0_RE='^\[rank 0\] \|.*(jax_ep|kernel)'
+DIGEST=; PREFIX=  # a step's extra summary lines: what its commands print that matches DIGEST (with PREFIX)
+
+q() {  # the command as one line a shell can run
+  local a s=; for a; do [[ $a =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]] && s+="$a " || s+="'${a//\'/\'\\\'\'}' "; done
+  printf '%s' "${s% }"; }
+note() { if [ -n "$DRY" ]; then echo "  # $*"; else echo "$*" | tee -a "$SUMMARY"; fi; }
+
+# run NAME LIMIT CMD...: CMD under LIMIT seconds (a function of this file: its own limits), output appended to the
+# step's log; a summary line with NAME, exit status, seconds and the last pass/fail lines, then the DIGEST lines.
+run() {
+  local name=$1 limit=$2; shift 2
+  if [ -n "$DRY" ]; then declare -F "$1" >/dev/null && "$@" || echo "  [$name, ${limit}s] $(q "$@")"; return 0; fi
+  local t0=$SECONDS rc from=$(($(wc -l <"$STEP_LOG") + 1))
+  echo "=== $name (limit ${limit}s): $(q "$@")" >>"$STEP_LOG"
+  if declare -F "$1" >/dev/null; then "$@" >>"$STEP_LOG" 2>&1
+  else timeout --kill-after=10 "$limit" "$@" >>"$STEP_LOG" 2>&1; fi
+  rc=$?
+  note "$name rc=$rc $((SECONDS - t0))s: $(tail -n +"$from" "$STEP_LOG" | grep -aE "$PASS_RE" | tail -3 | cut -c1-200 \
+    | tr '\n' ' ')"
+  [ -z "$DIGEST" ] || tail -n +"$from" "$STEP_LOG" | grep -aE "$DIGEST" | sed -e 's/^\[rank 0\] //' -e "s|^|$PREFIX|" \
+    | cut -c1-220 | head -30 | tee -a "$SUMMARY"
+  [ "$rc" = 0 ] || STEP_RC=1
+  return "$rc"
+}
+step_build() {
+  local DIGEST='^(-- )?jax_ep:|^(native|nvshmem):'
+  if [ -n "${PREBUILT:-}" ] && ! ls -d build/cp3* >/dev/null 2>&1; then
+    run prebuilt 30 cp "$PREBUILT"/_jax_ep_native*.so "$PREBUILT"/_jax_ep_nvshmem*.so jax_ep/
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  else
+    run build 300 "$PY" -m pip install --no-build-isolation --no-deps -e . -v
+    [ "${KEEP_MODULES:-0}" = 1 ] && run "keep modules" 30 sh -c 'cp build/cp3*/_jax_ep_*.so "$0"/' "$LOG"
+  fi
+  run "import" 120 "$PY" -c "import sys, jax_ep._native as n, jax_ep.runtime.nvshmem as m; print('native:', \
+n.available(), n.load_error()); print('nvshmem:', m.availability()); sys.exit(not n.available())"
+}
+step_suite() {
+  local f files=${SUITE_FILES:-tests/test_native_build.py $(ls tests/gpu/test_*.py | grep -v multiprocess_cuda)}
+  for f in $files; do run "suite $(basename "$f" .py)" "${SUITE_LIMIT:-200}" "${PYTEST[@]}" "$f"; done
+}
+step_multiprocess() {
+  local f=tests/gpu/test_multiprocess_cuda.py nv="nvshmem or two_launchers or across"
+  local DIGEST='^\$|RESULT (runtime|teams|mismatch)'
+  if [ -n "${MP_K:-}" ]; then run "multiprocess -k $MP_K" 460 "${PYTEST[@]}" -s "$f" -k "$MP_K"; return; fi
+  run "multiprocess nvshmem cases" 240 "${PYTEST[@]}" -s "$f" -k "$nv"
+  run "multiprocess other cases" 220 "${PYTEST[@]}" -s "$f" -k "not ($nv)"
+}
+
+# san NAME TOOL KERNELS NPROC ENV PROG ARGS...: PROG in NPROC processes over NVSHMEM under compute-sanitizer
+san() {
+  local name=$1 tool=$2 kf=$3 n=$4 env=$5; shift 5
+  local cs=(compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 ${kf:+--kernel-name "$kf"})
+  if [ "$n" -gt 2 ]; then
+    local DIGEST='^process [0-9]+:'; run "$name" 170 san_per_process "$n" "$env" "${cs[@]}" -- "$@"
+  else
+    run "$name" 120 env JAX_EP_TRANSPORT=nvshmem $env "${cs[@]}" "$PY" -m jax_ep.launch -n "$n" --timeout 110 "$@"
+  fi
+}
+# One compute-sanitizer following all N > 2 children of `jax_ep.launch -n N` segfaulted (rc 139, N=4): here N
+# launchers run as on N hosts (-n 1 --num-hosts N --host-index h, CUDA_VISIBLE_DEVICES=h), each with its own.
+san_per_process() {  # NPROC ENV SANITIZER... -- PROG ARGS...
+  local n=$1 env=$2 cs=() h p rc=0 port=PORT pids=(); shift 2
+  while [ "$1" != -- ]; do cs+=("$1"); shift; done; shift
+  [ -n "$DRY" ] || port=$("$PY" -c "from jax_ep.launch.plan import free_port; print(free_port())") || return 1
+  for h in $(seq $((n - 1)) -1 0); do  # host 0 (the coordinator) last, as the two-launcher test does
+    local cmd=(env CUDA_VISIBLE_DEVICES=$h JAX_EP_TRANSPORT=nvshmem $env timeout --kill-after=10 150 "${cs[@]}"
+      "$PY" -m jax_ep.launch -n 1 --num-hosts "$n" --host-index "$h" --coordinator "127.0.0.1:$port" --timeout 140 "$@")
+    if [ -n "$DRY" ]; then echo "  [process $h, in parallel] $(q "${cmd[@]}")"; continue; fi
+    "${cmd[@]}" >"$SCRATCH/san_h$h.log" 2>&1 & pids+=($!)
+  done
+  [ -n "$DRY" ] && return 0
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  for h in $(seq 0 $((n - 1))); do echo "--- process $h"; cat "$SCRATCH/san_h$h.log"; done
+  for h in $(seq 0 $((n - 1))); do echo "process $h: $(grep -aE 'SUMMARY|: OK|Trapping|Segmentation|Error' \
+    "$SCRATCH/san_h$h.log" | tail -2 | tr '\n' ' ')"; done
+  return "$rc"
+}
+step_sanitize() {
+  local tool prog P=tests/programs/sanitize tools=" ${SAN_TOOLS:-memcheck racecheck} "
+  local progs=" ${SAN_PROGRAMS:-intranode low_latency normal device_check} "
+  for tool in $tools; do
+    for prog in $progs; do
+      case $prog in
+        intranode)  # one process, R = min(2, GPUs); its harness lives in tests/gpu
+          run "$tool intranode" 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+            PYTHONPATH="$ROOT/tests/gpu${PYTHONPATH:+:$PYTHONPATH}" compute-sanitizer --tool "$tool" \
+            --report-api-errors no --error-exitcode 99 --kernel-name kns=jax_ep "$PY" $P/intranode_small.py ;;
+        low_latency) san "$tool low_latency n$N" "$tool" "$SAN_KERNELS" "$N" "" $P/low_latency_small.py nvshmem ;;
+        normal) san "$tool normal n$N" "$tool" "$SAN_KERNELS" "$N" "" $P/normal_nvshmem_small.py ;;
+        device_check) san "$tool device_check n$N" "$tool" kns=device_check "$N" "" $P/device_check.py ;;
+        *) note "unknown sanitize program '$prog' (intranode low_latency normal device_check)"; STEP_RC=1 ;;
+      esac
+    done
+  done
+  [[ $tools == *" memcheck "* ]] || return 0
+  # the NVSHMEM normal send kernel's 32-slot instance (R > 8) at R = N, through a test hook
+  [[ $progs == *" normal "* ]] && san "memcheck normal wide-send n$N" memcheck "$SAN_KERNELS" "$N" \
+    JAX_EP_TEST_WIDE_SEND=1 $P/normal_nvshmem_small.py
+  # one process whose peers all count as remote: the NVSHMEM put path with one GPU
+  [[ $progs == *" low_latency "* ]] && san "memcheck low_latency n1 all-remote" memcheck "$SAN_KERNELS" 1 \
+    JAX_EP_TEST_ALL_PEERS_REMOTE=1 $P/low_latency_small.py nvshmem
+  return 0
+}
+step_cmdbuf() {
+  local flags DIGEST='command buffers in|scan:'
+  for flags in "" FUSION,CUSTOM_CALL; do
+    run "command buffers ${flags:-off}" 120 env XLA_FLAGS="--xla_gpu_enable_command_buffer=$flags" \
+      "${PYTEST[@]}" -s tests/gpu -k scan
+  done
+}
+step_examples() { run "moe_layer normal" 120 "$PY" examples/moe_layer.py --steps 10
+  run "moe_layer low_latency" 120 "$PY" examples/moe_layer.py --mode low_latency; }
+step_bench() { local DIGEST='^\||kernel\)'; run bench 400 "$PY" -m jax_ep.bench --out "$SCRATCH"/bench ${BENCH_ARGS:-}
+}
+step_bench_nvshmem() {
+  local mode nvl bytes shape DIGEST=$RANK0_RE PREFIX=
+  for mode in ${BENCH_MODES:-low_latency normal}; do
+    # low-latency: every contender, with its kernel-time phases; normal mode: jax_ep only
+    [ "$mode" = low_latency ] && shape=(--ll-tokens "$LL_TOKENS") || shape=(--tokens "${TOKENS:-4096}" --only jax_ep)
+    for nvl in 8 1; do
+      PREFIX="$mode nvl=$nvl: "
+      run "$mode nvl$nvl ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G "$PY" -m jax_ep.launch -n "$N" -m jax_ep.bench \
+        --mode "$mode" "${shape[@]}" --loops 15 --nvl $nvl --out "$SCRATCH/bench_${mode}_nvl$nvl"
+    done
+  done
+  for bytes in ${PUT_SWEEP:-}; do
+    PREFIX="put_bytes=$bytes nvl=1: "
+    run "low_latency put$bytes nvl1 ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G JAX_EP_LOW_LATENCY_PUT_BYTES="$bytes" \
+      "$PY" -m jax_ep.launch -n "$N" -m jax_ep.bench --mode low_latency --ll-tokens "$LL_TOKENS" --only jax_ep \
+      --loops 15 --nvl 1 --out "$SCRATCH/bench_put$bytes"
+  done
+}
+step_low_latency_ratio() {
+  local rep cfg nvl put res=$SCRATCH/ratio configs=${CONFIGS:-nvl8 nvl1}
+  [ -n "$DRY" ] || { rm -rf "$res"; mkdir -p "$res"; }
+  for rep in $(seq 1 "${REPS:-3}"); do
+    for cfg in $configs; do  # nvl8 | nvl1 | nvl1:BYTES
+      nvl=${cfg%%:*}; nvl=${nvl#nvl}; [[ $cfg == *:* ]] && put=${cfg#*:} || put=
+      run "rep $rep $cfg" 150 env NVSHMEM_SYMMETRIC_SIZE=12G ${put:+JAX_EP_LOW_LATENCY_PUT_BYTES=$put} "$PY" -m \
+        jax_ep.launch -n 2 -m jax_ep.bench --mode low_latency --ll-tokens "$LL_TOKENS" --only jax_ep \
+        --calls "${CALLS:-100}" --loops "${LOOPS:-10}" --nvl "$nvl" --out "$res/${rep}_$cfg"
+    done
+  done
+  local DIGEST='^\|'; run "ratio table" 60 "$PY" scripts/low_latency_ratio_table.py "$res" $configs
+}
+step_low_latency_ab() {
+  local tag dir nvl old=${OLD:-ab_old} DIGEST=$RANK0_RE PREFIX=
+  for tag in ${ORDER:-old new}; do
+    dir=$ROOT; [ "$tag" = old ] && { [[ $old == /* ]] && dir=$old || dir=$ROOT/$old; }
+    run "build $tag" 300 env -C "$dir" "$PY" -m pip install --no-build-isolation --no-deps -e .
+    for nvl in 8 1; do
+      PREFIX="$tag nvl=$nvl: "
+      run "$tag nvl$nvl" 150 env -C "$dir" NVSHMEM_SYMMETRIC_SIZE=12G "$PY" -m jax_ep.launch -n 2 -m jax_ep.bench \
+        --mode low_latency --ll-tokens "$LL_TOKENS" --loops 15 --nvl $nvl --out "$SCRATCH/ab_${tag}_nvl$nvl"
+    done
+  done
+  BUILT=  # the tree installed last may be OLD's
+}
+MPS=
+stop_mps() { [ -z "$MPS" ] || run "mps stop" 30 sh -c 'echo quit | "$0"' "$MPS"; MPS=; }
+step_shared_gpu() {
+  local ctl; ctl=$(command -v nvidia-cuda-mps-control) || { [ -n "$DRY" ] && ctl=nvidia-cuda-mps-control; }
+  note "mps control: ${ctl:-none (the tests skip)}"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_ep_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/jax_ep_mps_log
+  if [ -n "$ctl" ]; then
+    [ -n "$DRY" ] || mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    run "mps start" 30 "$ctl" -d && MPS=$ctl
+  fi
+  local DIGEST='^\$|RESULT (normal|low_latency|done) |FAILED' k=${SHARED_K:-larger_than_the_gpus}
+  run shared "${SHARED_LIMIT:-500}" "${PYTEST[@]}" -s tests/gpu/test_multiprocess_cuda.py -k "$k"
+  DIGEST=; stop_mps; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+fc() {  # NAME ENV ARGS...: jax_ep.bench.first_call in one process, then one per GPU (FC_GPUS)
+  local name=$1 env=$2; shift 2
+  run "one process $name" 120 env $env "$PY" -m jax_ep.bench.first_call "$@" ${FIRST_CALL_ARGS:-}
+  run "one per GPU $name" 120 env $env "$PY" -m jax_ep.launch -n "$FC_GPUS" --timeout 110 -m jax_ep.bench.first_call \
+    "$@" ${FIRST_CALL_ARGS:-}
+}
+step_first_call() {
+  local pre ops v m DIGEST='PREWARM|FIRST_CALL|^\| |^\[rank 0\] \| ' cb=XLA_FLAGS=--xla_gpu_enable_command_buffer=
+  FC_GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')}; [ "$FC_GPUS" -gt 0 ] 2>/dev/null || FC_GPUS=$N
+  if [ "${WARMUP_AB:-0}" = 1 ]; then  # what initialize's warm-up execution buys, XLA's preallocation off and on
+    for pre in false "true XLA_PYTHON_CLIENT_MEM_FRACTION=0.5"; do for ops in "" --no-warmup-ops; do
+      fc "eager PREALLOCATE=$pre ${ops:-warmup-ops}" "XLA_PYTHON_CLIENT_PREALLOCATE=$pre" --mode eager $ops; done; done
+    return
+  fi
+  for m in eager lazy; do fc "$m" "" --mode $m; done
+  # where the first call's extra time goes
+  for v in CUDA_MODULE_LOADING=EAGER $cb; do fc "eager $v" "$v" --mode eager; done
+}
+step_cpu_suite() { run "cpu suite" 240 "${PYTEST[@]}" tests/test_{gradients,vjp_rules,programs,errors}.py; }
+do_step() {  # STEP: its commands, its log, its status line
+  local s=$1 t0=$SECONDS; STEP_RC=0; STEP_LOG=$LOG/$s.log
+  [ "$s" = build ] && BUILT=1  # once per call, also when it fails
+  if [ -n "$DRY" ]; then echo "== $s"; else echo "== $s $(date -u +%FT%TZ)" >>"$STEP_LOG"; note "-- $s"; fi
+  "step_${s//-/_}"
+  [ -n "$DRY" ] && return; note "STEP $s rc=$STEP_RC $((SECONDS - t0))s"; [ "$STEP_RC" = 0 ] || FAILED+=("$s")
+}
+
+case ${1:-} in -h|--help|help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
+STEPS=()
+for s in "$@"; do
+  case $s in
+    check) STEPS+=(build suite multiprocess sanitize) ;;
+    build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
+    low-latency-ratio|low-latency-ab|shared-gpu|first-call|cpu-suite) STEPS+=("$s") ;;
+    *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
+  esac
+done
+BUILT=; [ "${NO_BUILD:-0}" = 1 ] && BUILT=1; FAILED=(); trap stop_mps EXIT
+if [ -n "$DRY" ]; then
+  echo "# DRY_RUN: logs would go to $LOG; environment:" $(env | grep -E '^(NVSHMEM_|NCCL_|XLA_|CUDA_)' | sort)
+else
+  mkdir -p "$LOG" "$SCRATCH" || exit 2
+  { echo "=== scripts/gpu.sh $* $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
+    nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1
+    nvidia-smi topo -m 2>/dev/null | head -9
+    timeout 120 "$PY" -c "import jax, jaxlib; print('jax/jaxlib', jax.__version__, jaxlib.__version__, jax.devices())" \
+      2>&1 | tail -1; } | tee -a "$SUMMARY"
+fi
+for s in "${STEPS[@]}"; do
+  if [ "$s" = build ]; then [ -n "$BUILT" ] && { note "build: already built in this call (or NO_BUILD=1)"; continue; }
+  elif [ -z "$BUILT" ]; then do_step build; fi
+  do_step "$s"
+done
+[ -n "$DRY" ] && exit 0
+note "=== scripts/gpu.sh $*: ${#FAILED[@]} failed step(s)${FAILED[*]:+: ${FAILED[*]}}"
+[ ${#FAILED[@]} = 0 ]

@@ -1,0 +1,36 @@
+// Test hooks of the handlers, read once per process from the environment (tests/gpu/test_faults_cuda.py).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace jax_ep::test_hooks {
+
+struct AbsentRank {
+  int64_t rank = -1;   // -1: the hook is off
+  int64_t after = 0;   // launches of that rank that still run
+};
+
+inline AbsentRank read_absent_rank() {
+  AbsentRank h;
+  const char* v = std::getenv("JAX_EP_TEST_ABSENT_RANK");
+  if (v == nullptr || *v == '\0') return h;
+  h.rank = std::strtol(v, nullptr, 10);
+  if (const char* colon = std::strchr(v, ':')) h.after = std::strtol(colon + 1, nullptr, 10);
+  return h;
+}
+
+// JAX_EP_TEST_ABSENT_RANK=r[:n]: the device of rank r launches nothing from its (n+1)-th kernel launch on (n = 0
+// when omitted): its ops return at once, as if its kernels never arrived, so its peers' device waits time out (the
+// fault case "one GPU's kernel never arrives" in a process driving several GPUs). It counts handler calls, so
+// XLA command buffers (replays call no handler) must be off. Unset: never absent.
+inline bool absent(int32_t rank) {
+  static const AbsentRank hook = read_absent_rank();
+  static std::atomic<int64_t> launches{0};
+  if (hook.rank < 0 || rank != hook.rank) return false;
+  return launches.fetch_add(1, std::memory_order_relaxed) >= hook.after;
+}
+
+}  // namespace jax_ep::test_hooks
