@@ -32,10 +32,11 @@ def test_bench_cli_small_cpu_run(tmp_path):
 def test_bench_cli_one_process_per_device_group(tmp_path):
     """The same benchmark under `python -m jax_ep.launch -n 2` (2 processes x 2 CPU devices): one table and one
     results.json, from process 0, covering all 4 devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--no-gpu-pinning", "--timeout", "250", "-m",
-           "jax_ep.bench", "--mode", "low_latency", "--ll-tokens", "4", "--hidden", "128", "--ll-experts", "8",
-           "--topk", "2", "--calls", "2", "--loops", "1", "--out", str(tmp_path)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the launcher sets the CPU devices per process (--cpu-devices)
+    cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--no-gpu-pinning", "--cpu-devices", "2", "--timeout",
+           "250", "-m", "jax_ep.bench", "--mode", "low_latency", "--ll-tokens", "4", "--hidden", "128",
+           "--ll-experts", "8", "--topk", "2", "--calls", "2", "--loops", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "process model: multi-process (2 processes" in proc.stdout

@@ -1,4 +1,4 @@
-"""Long runs and leak checks (issue "nothing silent, nothing hangs", item 3): python -m jax_ep.bench.reliability
+"""Long runs and leak checks: python -m jax_ep.bench.reliability
 
     python -m jax_ep.bench.reliability --steps 10000 --cycles 20        # all visible GPUs form one EP group
     python -m jax_ep.launch -n 2 -m jax_ep.bench.reliability            # one process per GPU
@@ -11,7 +11,8 @@
    the outputs (sums of |y| for the combines), and the two runs are compared at EVERY step (counts and
    dispatched-row sums exactly, combine sums within 1e-2 relative: bf16 outputs, f32 sums in another order). The final LowLatencyState must be [2 * steps, 0, 0, 0] on every rank.
 2. lifecycle: `--cycles` rounds of initialize -> one step -> finalize, with this device's free memory
-   (cudaMemGetInfo, so jax_ep's own buffers count) read after each finalize; prints the growth over the cycles.
+   (cudaMemGetInfo, so jax_ep's own buffers count) and the process's resident host memory read after each
+   finalize; prints the growth over the cycles (every process, in both process models).
 Prints one summary line per part (process 0) and exits non-zero when a check fails. On CPU (no CUDA backend) it
 compares the reference backend with itself and skips the memory part, saying so.
 """
@@ -41,6 +42,15 @@ def _args(argv):
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--experts-per-rank", type=int, default=8)
     return ap.parse_args(argv)
+
+
+def _resident_bytes() -> int:
+    """This process's resident host memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def main(argv=None) -> int:
@@ -107,6 +117,13 @@ def main(argv=None) -> int:
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
+    def host(array):
+        """The whole global array on this process (one process per GPU: every process gathers every rank's part)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+        return np.asarray(array)
+
     x0 = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((R * T, H)), jnp.bfloat16),
                         jax.sharding.NamedSharding(mesh, P("ep")))
     ok = True
@@ -117,8 +134,7 @@ def main(argv=None) -> int:
             jax_ep.initialize(mesh, normal, ll)
             t0 = time.perf_counter()
             records, state = step_fn(normal, ll, a.steps)(x0)
-            runs[name] = (np.asarray(records).reshape(R, a.steps, 5), np.asarray(state).reshape(R, 4),
-                          time.perf_counter() - t0)
+            runs[name] = (host(records).reshape(R, a.steps, 5), host(state).reshape(R, 4), time.perf_counter() - t0)
         (rc, sc, tc), (rr, _, _) = runs[backend], runs["reference"]
         exact = np.array_equal(rc[..., [0, 1, 3]], rr[..., [0, 1, 3]])
         scale = np.maximum(rr[..., [2, 4]], 1.0)  # sums of |y|: no cancellation
@@ -138,7 +154,7 @@ def main(argv=None) -> int:
         else:
             ordinal = int(getattr(devices[[d.process_index for d in devices].index(jax.process_index())],
                                   "local_hardware_id", 0))
-            free = []
+            free, rss = [], []
             normal, ll = configs(backend)
             once = step_fn(normal, ll, 1)  # one compiled program for every cycle: it outlives each finalize
             for _ in range(a.cycles):
@@ -146,12 +162,18 @@ def main(argv=None) -> int:
                 jax.block_until_ready(once(x0))
                 jax_ep.finalize()
                 free.append(_native.module().device_memory_info(ordinal)[0])
+                rss.append(_resident_bytes())
             growth = free[0] - min(free)
-            good = growth <= (64 << 20)  # XLA's pool may round; a leak of jax_ep's buffers is hundreds of MB
+            host_growth = max(rss) - rss[0]
+            # XLA's pool may round; a leak of jax_ep's buffers is hundreds of MB. Host: the first cycles compile and
+            # load; a leak per cycle would grow linearly
+            good = growth <= (64 << 20) and host_growth <= (256 << 20)
             ok &= good
-            say(f"lifecycle: {a.cycles} x (initialize, one step, finalize): free device memory after each finalize "
-                f"{free[0] / 2**30:.3f} -> {free[-1] / 2**30:.3f} GiB, largest drop after the first "
-                f"{growth / 2**20:.1f} MiB: {'OK' if good else 'FAILED'}")
+            print(f"lifecycle (process {pid}): {a.cycles} x (initialize, one step, finalize): free device memory "
+                  f"after each finalize {free[0] / 2**30:.3f} -> {free[-1] / 2**30:.3f} GiB, largest drop after the "
+                  f"first {growth / 2**20:.1f} MiB; host resident memory {rss[0] / 2**20:.0f} -> "
+                  f"{rss[-1] / 2**20:.0f} MiB (largest growth {host_growth / 2**20:.0f} MiB): "
+                  f"{'OK' if good else 'FAILED'}", flush=True)
     return 0 if ok else 1
 
 

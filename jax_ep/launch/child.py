@@ -66,6 +66,25 @@ def _join() -> None:
         raise
 
 
+def _die_with_launcher() -> None:
+    """SIGKILL this process when the launcher dies (Linux PR_SET_PDEATHSIG), set here rather than between fork and
+    exec in the launcher; if the launcher is already gone (it died before this line), exit now."""
+    from jax_ep.launch.env import ENV_LAUNCHER_PID
+
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):
+        _leave(1)
+
+
 def _run_program(mode: str, target: str, args: list[str]) -> None:
     sys.argv = [target] + args
     if mode == "-m":
@@ -92,6 +111,7 @@ def _leave(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Join, run the program; returns when it succeeded, never returns when it failed (os._exit)."""
+    _die_with_launcher()
     argv = list(sys.argv[1:] if argv is None else argv)
     join = True
     if argv[:1] == ["--no-join"]:

@@ -11,9 +11,11 @@ from .plan import PlanError, child_envs, free_port, resolve_hosts, visible_gpus
 from .supervisor import Supervisor, log
 
 _VALUE_OPTIONS = {"-n", "--nproc", "--num-processes", "--gpus-per-process", "--processes-per-gpu", "--grace-seconds", "--timeout",
-                  "--port", "--coordinator", "--num-hosts", "--host-index", "--join-timeout", "--heartbeat-timeout"}
+                  "--port", "--coordinator", "--num-hosts", "--host-index", "--join-timeout", "--heartbeat-timeout",
+                  "--cpu-devices"}
 
 USAGE = ("python -m jax_ep.launch -n N [--gpus-per-process K | --processes-per-gpu P] [--no-gpu-pinning] "
+         "[--cpu-devices K] [--verbose] "
          "[--num-hosts H --host-index I --coordinator HOST:PORT] [--port PORT] [--join-timeout SECONDS] "
          "[--heartbeat-timeout SECONDS] [--no-join] [--timeout SECONDS] [--grace-seconds SECONDS] (script.py | -m module) [args ...]")
 
@@ -40,7 +42,15 @@ def _parser() -> argparse.ArgumentParser:
                         "NVSHMEM then needs the CUDA MPS daemon running, else it refuses team splits and "
                         "barriers); default 1")
     p.add_argument("--no-gpu-pinning", action="store_true",
-                   help="do not set CUDA_VISIBLE_DEVICES (CPU runs, or to manage devices yourself)")
+                   help="do not set CUDA_VISIBLE_DEVICES: every process sees every GPU of the host (to manage "
+                        "devices yourself); on a host without GPUs it changes nothing")
+    p.add_argument("--cpu-devices", type=int, default=1, metavar="K",
+                   help="CPU devices per process (sets JAX_NUM_CPU_DEVICES unless it is set; it overrides a "
+                        "--xla_force_host_platform_device_count in the program's XLA_FLAGS); the CPU platform's "
+                        "mesh then has N x K devices. Default 1")
+    p.add_argument("--verbose", action="store_true",
+                   help="pass every line of the children's output through, Gloo's per-device connection lines "
+                        "included (dropped by default)")
     p.add_argument("--num-hosts", type=int, default=None, metavar="H",
                    help=f"hosts in the job, one launcher each (default: ${E.SLURM_NUM_HOSTS}, else 1)")
     p.add_argument("--host-index", type=int, default=None, metavar="I",
@@ -98,6 +108,8 @@ def _check(parser: argparse.ArgumentParser, args, command: list[str]):
     if args.processes_per_gpu > 1 and args.gpus_per_process > 1:
         parser.error("--processes-per-gpu and --gpus-per-process > 1 exclude each other: a process shares one GPU "
                      "or owns several")
+    if args.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
     if args.grace_seconds < 0:
         parser.error(f"--grace-seconds must be >= 0, got {args.grace_seconds:g}")
     if args.timeout is not None and args.timeout <= 0:
@@ -149,10 +161,25 @@ def main(argv: list[str] | None = None) -> int:
                                                         (E.ENV_HEARTBEAT_TIMEOUT, args.heartbeat_timeout))
                 if value is not None}
     envs = child_envs(n, hosts, coordinator, gpus, args.gpus_per_process, settings, FORCED_ENV,
-                      processes_per_gpu=args.processes_per_gpu)
+                      processes_per_gpu=args.processes_per_gpu, cpu_devices=args.cpu_devices)
     first, last = ranks[0], ranks[-1]
     log(f"starting rank{'s' if n > 1 else ''} {first}{f'-{last}' if n > 1 else ''} of {hosts.num_hosts * n}"
         + (f" ({hosts.describe()})" if hosts.num_hosts > 1 else "") + f"; coordinator {coordinator}"
         + ("; the program joins the job itself (--no-join)" if args.no_join else ""))
+    log(job_summary(n * hosts.num_hosts, gpus, args.gpus_per_process, args.processes_per_gpu,
+                    int(envs[0].get("JAX_NUM_CPU_DEVICES", args.cpu_devices))))
     child = [sys.executable, "-u", "-m", "jax_ep.launch.child"] + (["--no-join"] if args.no_join else [])
-    return Supervisor(child + command, ranks, envs, args.grace_seconds, args.timeout).run()
+    return Supervisor(child + command, ranks, envs, args.grace_seconds, args.timeout, verbose=args.verbose).run()
+
+
+def job_summary(total: int, gpus: list[str] | None, gpus_per_process: int, processes_per_gpu: int,
+                cpu_devices: int) -> str:
+    """One line: processes, devices per process and the ranks of an EP axis over every device of the job."""
+    if gpus:
+        if processes_per_gpu > 1:
+            return (f"job: {total} processes, {processes_per_gpu} per GPU (CUDA MPS), 1 GPU device each: an EP axis "
+                    f"over every device has {total} ranks")
+        return (f"job: {total} processes x {gpus_per_process} GPU{'s' if gpus_per_process > 1 else ''} each: an EP "
+                f"axis over every device has {total * gpus_per_process} ranks")
+    return (f"job: {total} processes x {cpu_devices} CPU device{'s' if cpu_devices > 1 else ''} each (no GPU "
+            f"visible; --cpu-devices): an EP axis over every device has {total * cpu_devices} ranks")

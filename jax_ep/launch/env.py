@@ -12,6 +12,9 @@ ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"  # processes in the whole job (every 
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"        # global process id: host_index * local_size + local_rank
 JOB_VARIABLES = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
+# The launcher's pid: the child bootstrap asks for SIGKILL when that process dies (PR_SET_PDEATHSIG), and exits at
+# once if it is already gone.
+ENV_LAUNCHER_PID = "JAX_EP_LAUNCHER_PID"
 # Informational (the launcher sets them; nothing requires them): where this process sits.
 ENV_LOCAL_RANK = "JAX_EP_LOCAL_RANK"        # 0 .. local_size-1 on this host
 ENV_LOCAL_SIZE = "JAX_EP_LOCAL_SIZE"        # processes on this host (-n)

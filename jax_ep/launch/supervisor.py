@@ -1,7 +1,7 @@
 """Starting the local processes, streaming their output, ending the job when one fails.
 
-Each child runs in its own session (process group) with PR_SET_PDEATHSIG, so the launcher can signal whole
-groups and a SIGKILLed launcher takes its children along. Output is copied line by line with a `[rank i] `
+Each child runs in its own session (process group) and sets PR_SET_PDEATHSIG itself (child.py), so the launcher
+can signal whole groups and a SIGKILLed launcher takes its children along. Output is copied line by line with a `[rank i] `
 prefix (i = global process id). When a rank exits non-zero or is killed, every other local rank gets SIGTERM, then
 SIGKILL after the grace period, and the launcher exits with the code of the rank that failed first.
 Standard library only.
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from .env import LOG_PREFIX, TIMEOUT_EXIT_CODE
+from .env import ENV_LAUNCHER_PID, LOG_PREFIX, TIMEOUT_EXIT_CODE
 
 
 def log(msg: str, lock: threading.Lock | None = None) -> None:
@@ -67,12 +67,19 @@ class _Child:
         return min(seen) if seen else time.monotonic()
 
 
-def _pump(stream, out, rank: int, lock: threading.Lock, eof: list) -> None:
+# Gloo prints one "Rank i is connected to N peer ranks" line per CPU device, from several threads at once (the
+# lines come interleaved): noise in every CPU job, dropped unless --verbose.
+_CHATTER = (b"[Gloo]", b"connected peer ranks")
+
+
+def _pump(stream, out, rank: int, lock: threading.Lock, eof: list, verbose: bool = False) -> None:
     """Copy one child stream to `out` line by line, each line prefixed with `[rank i] `."""
     prefix = f"[rank {rank}] ".encode()
     binary = getattr(out, "buffer", None)
     try:
         for line in iter(stream.readline, b""):
+            if not verbose and any(c in line for c in _CHATTER):
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:
@@ -90,30 +97,13 @@ def _pump(stream, out, rank: int, lock: threading.Lock, eof: list) -> None:
         stream.close()
 
 
-def _die_with_parent():
-    """preexec_fn (Linux) so a child gets SIGKILL if the launcher dies, even by SIGKILL; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    sigkill = int(signal.SIGKILL)
-
-    def die_with_parent():
-        prctl(1, sigkill)  # PR_SET_PDEATHSIG
-
-    return die_with_parent
-
-
 class Supervisor:
     """Runs `argv` once per (rank, env) and supervises the processes until all succeed or one fails."""
 
     def __init__(self, argv: list[str], ranks: list[int], envs: list[dict], grace_seconds: float,
-                 timeout: float | None):
+                 timeout: float | None, verbose: bool = False):
         self.argv, self.ranks, self.envs = argv, ranks, envs
-        self.grace_seconds, self.timeout = grace_seconds, timeout
+        self.grace_seconds, self.timeout, self.verbose = grace_seconds, timeout, verbose
         self.children: list[_Child] = []
         self.lock = threading.Lock()             # serializes writes to the launcher's stdout/stderr
         self.exits: queue.Queue = queue.Queue()  # (rank, code) in the order the children exited
@@ -204,18 +194,20 @@ class Supervisor:
             except (ValueError, OSError):  # not the main thread
                 pass
         try:
-            # Every child is started before any thread (preexec_fn and threads do not mix); the pipes hold what
-            # they print meanwhile.
-            preexec = _die_with_parent()
+            # NOTE: no preexec_fn: this process has native threads (jaxlib's, from `import jax_ep`), and Python code
+            # run between fork and exec can deadlock on a lock such a thread held at the fork. Each child asks for
+            # SIGKILL when the launcher dies itself (child.py, ENV_LAUNCHER_PID).
             for rank, env in zip(self.ranks, self.envs):
                 if self.interrupted is not None:
                     break
+                env = dict(env, **{ENV_LAUNCHER_PID: str(os.getpid())})
                 proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
+                                        stderr=subprocess.PIPE, start_new_session=True)
                 self.children.append(_Child(rank, proc))
             for c in self.children:
                 for stream, out in ((c.proc.stdout, sys.stdout), (c.proc.stderr, sys.stderr)):
-                    t = threading.Thread(target=_pump, args=(stream, out, c.rank, self.lock, c.eof), daemon=True)
+                    t = threading.Thread(target=_pump, args=(stream, out, c.rank, self.lock, c.eof, self.verbose),
+                                         daemon=True)
                     t.start()
                     c.threads.append(t)
                 threading.Thread(target=self._waiter, args=(c,), daemon=True).start()
