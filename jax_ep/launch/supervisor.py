@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -67,9 +68,15 @@ class _Child:
         return min(seen) if seen else time.monotonic()
 
 
-# Gloo prints one "Rank i is connected to N peer ranks" line per CPU device, from several threads at once (the
-# lines come interleaved): noise in every CPU job, dropped unless --verbose.
-_CHATTER = (b"[Gloo]", b"connected peer ranks")
+# Gloo prints one "Rank i is connected to N peer ranks" line per CPU device, piece by piece from several threads at
+# once (the pieces come interleaved, even with the program's own output): noise in every CPU job. A line that holds
+# nothing but such pieces and numbers is dropped unless --verbose; a line with anything else is kept whole.
+_CHATTER_PIECE = re.compile(rb"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
+
+
+def _only_chatter(line: bytes) -> bool:
+    rest, pieces = _CHATTER_PIECE.subn(b"", line)
+    return pieces > 0 and not rest.strip(b"0123456789 \t\r\n")
 
 
 def _pump(stream, out, rank: int, lock: threading.Lock, eof: list, verbose: bool = False) -> None:
@@ -78,7 +85,7 @@ def _pump(stream, out, rank: int, lock: threading.Lock, eof: list, verbose: bool
     binary = getattr(out, "buffer", None)
     try:
         for line in iter(stream.readline, b""):
-            if not verbose and any(c in line for c in _CHATTER):
+            if not verbose and _only_chatter(line):
                 continue
             if not line.endswith(b"\n"):
                 line += b"\n"
