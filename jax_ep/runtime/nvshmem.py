@@ -406,8 +406,8 @@ def teardown(transport: NvshmemTransport, timeout_s: float) -> None:
     the buffers freed. NVSHMEM and its teams stay up for the next initialize (see shutdown).
 
     NOTE: teams live as long as NVSHMEM in this process, cached by (start, stride, size) and reused by later
-    initializes: NVSHMEM 3.4 does not give a destroyed team's slot back, so splitting anew on every initialize ran
-    out of NVSHMEM_MAX_TEAMS (32) after about 30 initialize / finalize cycles of one process."""
+    initializes: NVSHMEM 3.4 does not give a destroyed team's slot back, so a split per initialize would exhaust
+    NVSHMEM_MAX_TEAMS in a process that initializes repeatedly."""
     m = module()
     errors = []
     for nid in transport.native_ids.values():
