@@ -20,6 +20,7 @@
 #include "jax_ep/staging_layout.h"
 #include "op_state.h"
 #include "registry.h"
+#include "test_hooks.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -270,6 +271,9 @@ void def_bindings(nb::module_& m) {
 NB_MODULE(_jax_ep_native, m) {
   m.doc() = "jax_ep native part: XLA FFI handlers and CUDA kernels (see docs/API.md)";
 
+  m.def("launching_handler_calls", []() { return jax_ep::test_hooks::launching_calls().load(); },
+        "Calls of jax_ep's kernel-launching FFI handlers in this process, every device: a count that stops growing "
+        "while steps run means XLA replays them from a command buffer (CUDA graph).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },
         "(major, minor) of the XLA FFI headers this module was compiled against; XLA rejects handlers newer than "

@@ -1,4 +1,5 @@
-// Test hooks of the handlers, read once per process from the environment (tests/gpu/test_faults_cuda.py).
+// Test hooks of the handlers: a count of the calls that launch kernels (tests/gpu/test_command_buffers_cuda.py) and
+// an absent rank read once per process from the environment (tests/gpu/test_faults_cuda.py).
 #pragma once
 
 #include <atomic>
@@ -31,6 +32,20 @@ inline bool absent(int32_t rank) {
   static std::atomic<int64_t> launches{0};
   if (hook.rank < 0 || rank != hook.rank) return false;
   return launches.fetch_add(1, std::memory_order_relaxed) >= hook.after;
+}
+
+// Handler calls that launch kernels, over every device of this process. XLA command buffers replay recorded launches
+// without calling the handler: a count that stops growing while steps run means the calls replay from a CUDA graph.
+inline std::atomic<int64_t>& launching_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
+}
+
+// Called once by every handler call that launches kernels, before it launches: counts the call; true when the
+// absent-rank hook says rank r launches nothing.
+inline bool skip_launch(int32_t rank) {
+  launching_calls().fetch_add(1, std::memory_order_relaxed);
+  return absent(rank);
 }
 
 }  // namespace jax_ep::test_hooks

@@ -49,17 +49,23 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) { *p = v; }
 // Wrap-safe "a has reached b" for the monotonic u32 epochs.
 __device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
+// True for the first caller in this device module (each .cu file is one): a timeout is printed once, not by every
+// thread that waits, before the trap ends the CUDA context.
+static __device__ unsigned int timeout_reported = 0;
+__device__ __forceinline__ bool first_timeout_report() { return atomicExch(&timeout_reported, 1u) == 0u; }
+
 // Spins until *flag has reached `target` (acquire, system scope). After timeout_ns it prints who waited for whom
-// and traps: a peer that never arrives ends the program with a message instead of hanging it.
+// (once per module) and traps: a peer that never arrives ends the program with a message instead of hanging it.
 __device__ __forceinline__ void wait_reached(const uint32_t* flag, uint32_t target, uint64_t timeout_ns,
                                              const char* what, int rank, int peer) {
   if (reached(ld_acquire_sys(flag), target)) return;
   const uint64_t start = global_timer_ns();
   while (!reached(ld_acquire_sys(flag), target)) {
     if (global_timer_ns() - start > timeout_ns) {
-      printf("jax_ep: timeout after %llu ns in %s: rank %d waited for rank %d (epoch %u, flag %u); ranks are "
-             "probably running different programs. Trapping.\n",
-             static_cast<unsigned long long>(timeout_ns), what, rank, peer, target, ld_acquire_sys(flag));
+      if (first_timeout_report())
+        printf("jax_ep: timeout after %llu ns in %s: rank %d waited for rank %d (epoch %u, flag %u); ranks are "
+               "probably running different programs. Trapping.\n",
+               static_cast<unsigned long long>(timeout_ns), what, rank, peer, target, ld_acquire_sys(flag));
       __trap();
     }
   }

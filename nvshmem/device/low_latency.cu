@@ -69,10 +69,11 @@ __device__ __forceinline__ uint64_t* consumed_words(const Ctx& c) {
 __device__ __forceinline__ uint64_t wait_signal_relaxed(uint64_t* word, const Ctx& c, const char* what, int index) {
   uint64_t seen = 0;
   if (!wait_complete(word, c.g.timeout_ns, &seen)) {
-    printf("jax_ep: timeout after %llu ns in %s on rank %d: signal %d has %u messages, announced %d; a peer is "
-           "missing or runs another program. Trapping.\n",
-           static_cast<unsigned long long>(c.g.timeout_ns), what, c.g.rank, index, static_cast<uint32_t>(seen),
-           static_cast<int>(seen >> kAnnounceShift) - 1);
+    if (first_timeout_report())
+      printf("jax_ep: timeout after %llu ns in %s on rank %d: signal %d has %u messages, announced %d; a peer is "
+             "missing or runs another program. Trapping.\n",
+             static_cast<unsigned long long>(c.g.timeout_ns), what, c.g.rank, index, static_cast<uint32_t>(seen),
+             static_cast<int>(seen >> kAnnounceShift) - 1);
     __trap();
   }
   return seen;
@@ -150,10 +151,11 @@ __device__ __forceinline__ void wait_consumed_nvshmem(const Ctx& c, int d, uint3
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys_u64(word) < want) {
     if (global_timer_ns() - start > c.g.timeout_ns) {
-      printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the "
-             "op two epochs back (consumed %llu, want %llu). Trapping.\n",
-             static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
-             static_cast<unsigned long long>(ld_acquire_sys_u64(word)), static_cast<unsigned long long>(want));
+      if (first_timeout_report())
+        printf("jax_ep: timeout after %llu ns in a low-latency send (NVSHMEM) on rank %d: rank %d has not read the "
+               "op two epochs back (consumed %llu, want %llu). Trapping.\n",
+               static_cast<unsigned long long>(c.g.timeout_ns), c.g.rank, d,
+               static_cast<unsigned long long>(ld_acquire_sys_u64(word)), static_cast<unsigned long long>(want));
       __trap();
     }
   }

@@ -35,10 +35,11 @@ __device__ __forceinline__ void wait_word_reached(uint64_t* word, uint32_t targe
   const uint64_t start = global_timer_ns();
   while (!reached(static_cast<uint32_t>(nvshmem_signal_fetch(word)), target)) {
     if (global_timer_ns() - start > g.timeout_ns) {
-      printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d has not arrived (count %u, want %u); "
-             "a peer is missing or runs another program. Trapping.\n",
-             static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer,
-             static_cast<uint32_t>(nvshmem_signal_fetch(word)), target);
+      if (first_timeout_report())
+        printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d has not arrived (count %u, want %u); "
+               "a peer is missing or runs another program. Trapping.\n",
+               static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer,
+               static_cast<uint32_t>(nvshmem_signal_fetch(word)), target);
       __trap();
     }
   }
@@ -51,10 +52,11 @@ __device__ __forceinline__ void wait_complete_and_reset(uint64_t* word, const Gr
                                                         int peer) {
   uint64_t seen = 0;
   if (!wait_complete(word, g.timeout_ns, &seen)) {
-    printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d word %u, announced %d; a peer is "
-           "missing or runs another program. Trapping.\n",
-           static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer, static_cast<uint32_t>(seen),
-           static_cast<int>(seen >> kAnnounceShift) - 1);
+    if (first_timeout_report())
+      printf("jax_ep: timeout after %llu ns in %s on rank %d: remote rank %d word %u, announced %d; a peer is "
+             "missing or runs another program. Trapping.\n",
+             static_cast<unsigned long long>(g.timeout_ns), what, g.rank, peer, static_cast<uint32_t>(seen),
+             static_cast<int>(seen >> kAnnounceShift) - 1);
     __trap();
   }
   nvshmem_signal_wait_until(word, NVSHMEM_CMP_GE, seen);

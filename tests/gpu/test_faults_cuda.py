@@ -49,6 +49,13 @@ def _fault_time(out):
     return float(m.group(1)) if m else None
 
 
+def _assert_reported_once_per_waiting_gpu(out, n):
+    """The device prints a timeout once per waiting GPU (cuda/common/ptx.cuh first_timeout_report), not once per
+    waiting thread: at most n - 1 lines for one missing rank of n."""
+    lines = len(re.findall(r"jax_ep: timeout after", out))
+    assert 1 <= lines <= n - 1, f"{lines} timeout lines for {n - 1} waiting GPUs\n{out[-4000:]}"
+
+
 def _assert_no_process_left(out):
     left = subprocess.run(["pgrep", "-f", "fault_peer.py"], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}\n{out[-4000:]}"
@@ -70,6 +77,7 @@ def test_a_dead_or_stopped_peer_ends_the_job_naming_it(how):
         assert re.search(rf"jax_ep.launch: rank {victim} .*(SIGKILL|killed)", out), out[-4000:]
     else:  # alive but silent: the peers' device waits time out and name it
         assert re.search(rf"jax_ep: timeout after \d+ ns in .*rank {victim}\b", out), out[-4000:]
+        _assert_reported_once_per_waiting_gpu(out, n)
     _assert_no_process_left(out)
     print(f"{how} n={n}: launcher exit {rc}, {t_end - fault:.1f} s after the fault ({t_end - t0:.1f} s in all)")
 
@@ -87,4 +95,5 @@ def test_an_absent_gpu_in_one_process_is_an_exception_not_a_hang():
     err = re.search(r"RESULT error process=0 t=([\d.]+) kind=(\w+)", out)
     assert err, out[-4000:]
     assert re.search(rf"jax_ep: timeout after \d+ ns in .*rank {victim}\b", out), out[-4000:]
+    _assert_reported_once_per_waiting_gpu(out, n)
     _assert_no_process_left(out)
