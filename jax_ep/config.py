@@ -21,7 +21,7 @@ PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
 # the reference backend (CPU) also runs on the GPUs. Each number is the C++ constant of the same name in
 # cuda/include/jax_ep/constants.h; tests/test_bad_inputs.py parses that header and checks they are equal.
 MAX_TOPK = 16                   # kMaxTopk: K, experts per token
-MAX_GROUP_RANKS = 32            # kMaxGroupRanks: R, ranks per EP group (per-rank header words, u32 rank masks)
+MAX_GROUP_RANKS = 256           # kMaxGroupRanks: R, ranks per EP group (per-rank header words, rank masks)
 MAX_NVL_PEERS = 8               # kMaxNvlPeers: R of a normal-mode group on the NVLink kernels (R <= num_max_nvl_peers)
 MAX_NORMAL_EXPERTS = 8192       # kMaxLayoutExperts: E in normal mode (per-expert counters in shared memory)
 MAX_LOW_LATENCY_EXPERTS = 1024  # kMaxLowLatencyExperts: E in low-latency mode (combine sender's scratch counters)

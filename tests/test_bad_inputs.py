@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -147,11 +150,34 @@ def test_expert_limits_per_mode():
 
 
 def test_group_ranks_limit():
-    validation.check_kernel_limits("dispatch", cfg(num_experts=64), 32, low_latency=False)
-    validation.check_kernel_limits("low_latency_dispatch", cfg(num_experts=64), 32, low_latency=True)
+    """R <= kMaxGroupRanks = 256 in both modes; 257 is an EPError naming the limit (the ops' check alone; the real
+    path, initialize and traced ops on 257 devices, is test_initialize_and_ops_refuse_257_ranks)."""
+    assert config.MAX_GROUP_RANKS == 256
+    validation.check_kernel_limits("dispatch", cfg(num_experts=512), 256, low_latency=False)
+    validation.check_kernel_limits("low_latency_dispatch", cfg(num_experts=512), 256, low_latency=True)
     for low_latency in (False, True):
-        with raises(jax_ep.EPError, "jax_ep.dispatch", "64 ranks", "at most 32", "kMaxGroupRanks"):
-            validation.check_kernel_limits("dispatch", cfg(num_experts=64), 64, low_latency=low_latency)
+        with raises(jax_ep.EPError, "jax_ep.dispatch", "257 ranks", "at most 256", "kMaxGroupRanks"):
+            validation.check_kernel_limits("dispatch", cfg(num_experts=514), 257, low_latency=low_latency)
+
+
+def test_initialize_and_ops_refuse_257_ranks():
+    """An EP group of 257 ranks (one above kMaxGroupRanks) on 257 emulated CPU devices, in a child process (the device
+    count is fixed before jax starts; tests/programs/cpu/group_limit.py): jax_ep.initialize, buffer_size_hint and
+    every op (traced, nothing compiled) raise an EPError naming the axis, 257 ranks, the limit 256 and
+    kMaxGroupRanks, on every backend ("reference", "auto", "cuda"), and a refused initialize keeps the runtime it
+    had; 256 ranks pass initialize and the ops' checks. About 2 s."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=257", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "programs" / "cpu" / "group_limit.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
+    for backend in ("reference", "auto", "cuda"):
+        for what in ("initialize", "buffer_size_hint", "get_dispatch_layout", "dispatch", "combine",
+                     "low_latency_dispatch", "low_latency_dispatch_send", "low_latency_combine",
+                     "low_latency_combine_send"):
+            assert any(line.startswith(f"OK {what} backend={backend} R=257") for line in lines), (what, backend,
+                                                                                                 proc.stdout)
+    assert sum(line.endswith("R=256 accepted") for line in lines) == 8, proc.stdout
 
 
 def test_normal_mode_on_the_nvlink_kernels_takes_at_most_8_ranks():

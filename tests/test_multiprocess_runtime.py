@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 import jax_ep
+from jax_ep import config
 from jax_ep.runtime import agreement, nvshmem, nvshmem_env, teams
 from jax_ep.errors import EPError
 
@@ -109,9 +110,20 @@ def test_non_strided_group_is_an_error(pes):
 def test_team_budget():
     plan = teams.plan_teams({"ep": [tuple(range(16))]}, {"ep": {8}})  # 1 + 8 RDMA teams + 2 NVLink teams
     teams.check_team_budget(plan, {})
-    # the widest group the kernels take (32 ranks) fits NVSHMEM's default at every node size
+    # EP32 (4 nodes of 8) fits NVSHMEM's default with every team at every node size
     for nvl in (1, 2, 4, 8, 16):
         teams.check_team_budget(teams.plan_teams({"ep": [tuple(range(32))]}, {"ep": {nvl}}), {})
+    # the widest group the kernels take (kMaxGroupRanks = 256: EP256, 32 nodes of 8) fits NVSHMEM's default at every
+    # node size of the NVSHMEM kernels: the group and its nvl RDMA teams, without the NVLink (node) teams when those
+    # do not fit (EP256 in nodes of 8: 1 + 8 + 32 = 41 teams with them, 9 without)
+    assert config.MAX_GROUP_RANKS == 256
+    for nvl in (1, 2, 4, 8):
+        full = teams.plan_teams({"ep": [tuple(range(256))]}, {"ep": {nvl}})
+        made, note = teams.plan_within_budget({"ep": [tuple(range(256))]}, {"ep": {nvl}}, {})
+        assert [s.kind for s in made] == ["group"] + ["nvl"] * nvl, (nvl, [s.kind for s in made])
+        assert [s.size for s in made] == [256] + [256 // nvl] * nvl
+        assert len(full) == 1 + nvl + (256 // nvl if nvl > 1 else 0)
+        assert (note is None) == (nvl == 1), (nvl, note)
     with pytest.raises(EPError, match=r"need 11 NVSHMEM teams; with NVSHMEM_MAX_TEAMS=16 .* >= 19"):
         teams.check_team_budget(plan, {"NVSHMEM_MAX_TEAMS": "16"})
     with pytest.raises(EPError, match="NVSHMEM_MAX_TEAMS='x' is not an integer"):

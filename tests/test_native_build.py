@@ -76,29 +76,29 @@ def test_state_types_are_registrable_pairs():
 # ---- staging arithmetic, checked against numbers written out by hand -----------------------------------------------
 # Normal region (staging_layout.h), hidden=128, num_topk=2, T_max=4, R=2, capacity=10, E=8:
 #   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
-#   signals  align256(2048 + 4 * (R*R + E + 4R + 4) = 2144) = 2304
+#   signals  align256(12288 + 4 * (R*R + E + 4R + 4) = 12384) = 12544
 #   payload  align256(10 * 4*128 = 5120)                    = 5120
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
-#   total = 2304 + 5120 + 1024 = 8448
+#   total = 12544 + 5120 + 1024 = 18688
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
 #   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(80 + 260) = 352
-#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 32) = 512), rows at 1280
-#   rows end = max(1280 + E*T_max*288 = 10496, 1280 + E*T_max*256 = 9472, 1280 + R*T_max*352 = 4096) = 10496
-#   weights at 10496: R*T_max*16 f32 = 512 bytes -> one half = align256(11008) = 11008
-#   total = LL_FIXED (scratch + RDMA words) + 2 * 11008
+#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096), rows at 4864
+#   rows end = max(4864 + E*T_max*288 = 14080, 4864 + E*T_max*256 = 13056, 4864 + R*T_max*352 = 7680) = 14080
+#   weights at 14080: R*T_max*16 f32 = 512 bytes -> one half = align256(14592) = 14592
+#   total = LL_FIXED (scratch + RDMA words) + 2 * 14592
 SMALL_NORMAL = dict(hidden=128, num_topk=2, max_tokens_per_rank=4, num_ranks=2, capacity=10, num_experts=8)
 SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
 
 
 def test_normal_buffer_bytes_by_hand():
-    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 8448
+    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 18688
     # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
-    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 2304 + 4096 + 4 * 256
+    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 12544 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
-    #   signals align256(2048 + 4*(16 + 256 + 16 + 4)) = 3328; payload 16384*28672 = 469762048;
+    #   signals align256(12288 + 4*(16 + 256 + 16 + 4)) = 13568; payload 16384*28672 = 469762048;
     #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
-        3328 + 469762048 + 3670016 + 1048576 + 65536)
+        13568 + 469762048 + 3670016 + 1048576 + 65536)
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
@@ -107,12 +107,12 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
     #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
     #   expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 8448 + 512 + 5120 + 3 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 18688 + 512 + 5120 + 3 * 256
     # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
     plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, nvshmem=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 8448
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 18688
 
 
 def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
@@ -137,34 +137,34 @@ def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
         native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=-1)
 
 
-# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][32]
-# = 512, then counted signals 2 * 8 * 1024).
-LL_FIXED = 4096 + 512 + 16384
+# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][256]
+# = 4096, then counted signals 2 * 8 * 1024).
+LL_FIXED = 4096 + 4096 + 16384
 
 
 def test_low_latency_buffer_bytes_by_hand():
-    # halves of 11008: flags 3 * 256, rank words 512, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
-    assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 11008
+    # halves of 14592: flags 3 * 256, rank words 4096, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
+    assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 14592
     # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 352, per_rank's stride) and
     # the combine rows [E][T_max] (8 * 4 * 256 = 8192)
-    assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (11008 + 8192)
+    assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (14592 + 8192)
     # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,
-    # rank words 512; rows end = 4352 + 288*128*14576 = 537334016 (> the combine rows' and the per_rank messages');
-    # weights 4*128*16*4 = 32768 -> half = 537366784
-    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537366784
+    # rank words 4096; rows end = 7936 + 288*128*14576 = 537337600 (> the combine rows' and the per_rank messages');
+    # weights 4*128*16*4 = 32768 -> half = 537370368
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537370368
 
 
 def test_staging_plan_by_hand():
     # [normal = max(normal) | LL = max(low_latency)], low_latency_offset = aligned end of the normal region
-    assert native.staging_plan([7424, 3000], [24576, 1024]) == (7424 + 24576, 7424, 24576)
-    assert native.staging_plan([7424], []) == (7424, 7424, 0)
+    assert native.staging_plan([17408, 3000], [24576, 1024]) == (17408 + 24576, 17408, 24576)
+    assert native.staging_plan([17408], []) == (17408, 17408, 0)
     # the normal region never ends before the signal header; low_latency_offset is 256-aligned
-    assert native.staging_plan([], []) == (2048, 2048, 0)
-    assert native.staging_plan([1000], [5120]) == (2048 + 5120, 2048, 5120)
-    assert native.staging_plan([2300], []) == (2304, 2304, 0)
+    assert native.staging_plan([], []) == (12288, 12288, 0)
+    assert native.staging_plan([1000], [5120]) == (12288 + 5120, 12288, 5120)
+    assert native.staging_plan([12300], []) == (12544, 12544, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
-    ll = LL_FIXED + 2 * 11008
-    assert plan == (8448 + ll, 8448, ll)
+    ll = LL_FIXED + 2 * 14592
+    assert plan == (18688 + ll, 18688, ll)
 
 
 def test_staging_rejects_bad_arguments():
@@ -181,8 +181,8 @@ def test_bind_unbind_round_trip():
     axis = "jax_ep_test_native_build_axis"
     try:
         assert axis not in native.bound_axes()
-        native.bind_axis(axis, 7, 7424, 24576)
-        assert native.bound_axes()[axis] == {"set_id": 7, "low_latency_offset": 7424, "low_latency_bytes": 24576}
+        native.bind_axis(axis, 7, 17408, 24576)
+        assert native.bound_axes()[axis] == {"set_id": 7, "low_latency_offset": 17408, "low_latency_bytes": 24576}
         native.bind_axis(axis, 9, 1024, 0)  # rebinding replaces
         assert native.bound_axes()[axis] == {"set_id": 9, "low_latency_offset": 1024, "low_latency_bytes": 0}
     finally:
@@ -194,9 +194,9 @@ def test_bind_unbind_round_trip():
 def test_bind_axis_rejects_bad_arguments():
     axis = "jax_ep_test_native_build_bad"
     with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
-        native.bind_axis(axis, 1, 512, 4096)       # inside the signal header
+        native.bind_axis(axis, 1, 4096, 4096)      # inside the signal header
     with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
-        native.bind_axis(axis, 1, 1030, 4096)      # misaligned
+        native.bind_axis(axis, 1, 12300, 4096)     # misaligned
     with pytest.raises(ValueError, match="set_id must be >= 0"):
         native.bind_axis(axis, -1, 1024, 0)
     with pytest.raises(ValueError, match="axis name is empty"):

@@ -35,8 +35,8 @@ ffi::ErrorOr<layout::Params> MakeLayoutParams(S32Mat& topk_idx, ffi::Result<S32V
                                             int32_t num_ranks, int max_experts) {
   const auto dims = topk_idx.dimensions();
   const int64_t T = dims[0], K = dims[1];
-  if (num_ranks <= 0 || num_ranks > kMaxLayoutRanks)
-    return ffi::Unexpected(Invalid(kTarget, "num_ranks must be in [1, " + std::to_string(kMaxLayoutRanks) +
+  if (num_ranks <= 0 || num_ranks > kMaxGroupRanks)
+    return ffi::Unexpected(Invalid(kTarget, "num_ranks must be in [1, " + std::to_string(kMaxGroupRanks) +
                                                 "], got " + std::to_string(num_ranks)));
   if (num_experts <= 0 || num_experts % num_ranks != 0 || num_experts > max_experts)
     return ffi::Unexpected(Invalid(kTarget, "num_experts must be a positive multiple of num_ranks (" +
@@ -45,7 +45,7 @@ ffi::ErrorOr<layout::Params> MakeLayoutParams(S32Mat& topk_idx, ffi::Result<S32V
   if (K < 1 || K > kMaxTopk)
     return ffi::Unexpected(Invalid(kTarget, "topk_idx must be [T, K] with 1 <= K <= " + std::to_string(kMaxTopk) +
                                                 ", got K=" + std::to_string(K)));
-  if (T > INT32_MAX / kMaxLayoutRanks) return ffi::Unexpected(Invalid(kTarget, "too many tokens"));
+  if (T > INT32_MAX / kMaxGroupRanks) return ffi::Unexpected(Invalid(kTarget, "too many tokens"));
   if (ntr->dimensions()[0] != num_ranks)
     return ffi::Unexpected(Invalid(kTarget, "num_tokens_per_rank must have shape [num_ranks]"));
   if (nte->dimensions()[0] != num_experts)

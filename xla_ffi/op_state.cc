@@ -91,7 +91,7 @@ GroupCtx OpState::group_ctx(const Resolved& r) const {
   g.num_ranks = r.view.num_ranks;
   g.timeout_ns = config_.timeout_ns;
   for (int q = 0; q < kMaxGroupRanks; ++q) g.pe[q] = r.view.pe[q];
-  g.remote = mode_ == OpMode::kNormal ? r.normal_remote : 0u;
+  g.remote = mode_ == OpMode::kNormal ? r.normal_remote : RankMask::none();
   g.forward_nvl = mode_ == OpMode::kNormal ? r.normal_forward_nvl : 0;
   return g;
 }
@@ -116,18 +116,18 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
                                              "NVSHMEM group: run one process per GPU (python -m jax_ep.launch)");
     out->normal_remote = low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
     for (int q = 0; q < R; ++q)
-      if (rg.view.peers.base[q] == nullptr) out->normal_remote |= 1u << q;
-    out->normal_remote &= ~(1u << rg.view.rank);  // this rank's own rows always move by stores
+      if (rg.view.peers.base[q] == nullptr) out->normal_remote.set(q);
+    out->normal_remote.clear(rg.view.rank);  // this rank's own rows always move by stores
     // Forwarding (hierarchical dispatch, node-first combine) needs every rank of this rank's node mapped (the
     // forwarder stores into them). No fallback to the flat kernels: the other nodes would still forward, and the
     // ranks would wait for announcements that never come (initialize checks it first: check_unmapped).
     out->normal_forward_nvl = 0;
     if (forward_nodes(R, c.nvl_domain) > 0) {
-      const uint32_t unmapped = out->normal_remote & ~low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
-      if (unmapped != 0u) {
+      const RankMask unmapped = out->normal_remote.minus(low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain));
+      if (unmapped.any()) {
         std::string ranks;
         for (int q = 0; q < R; ++q)
-          if ((unmapped >> q) & 1u) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+          if (unmapped.test(q)) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
         return ffi_util::Precondition(target_, "ranks [" + ranks + "] of this rank's node (num_max_nvl_peers=" +
                                                    std::to_string(c.nvl_domain) + ") on mesh axis '" + axis_ +
                                                    "' have no load/store mapping, but normal mode forwards through "
@@ -196,11 +196,11 @@ ffi::Error OpState::validate(const ResolvedGroup& rg, Resolved* out) const {
   // domain; this keeps the kernels and the registry on one answer whatever nvshmem_ptr says on the device).
   // INVARIANT the NVSHMEM LL kernels rely on: a clear bit implies peers.base[q] != nullptr (their direct_ptr adds
   // an offset to it). Set remote_ranks here only.
-  out->low_latency.remote_ranks = 0u;
+  out->low_latency.remote_ranks = RankMask::none();
   if (c.nvshmem) {
     out->low_latency.remote_ranks = low_latency::remote_ranks(rg.view.rank, R, c.nvl_domain);
     for (int q = 0; q < R; ++q)
-      if (rg.view.peers.base[q] == nullptr) out->low_latency.remote_ranks |= 1u << q;
+      if (rg.view.peers.base[q] == nullptr) out->low_latency.remote_ranks.set(q);
   }
   return ffi::Error::Success();
 }

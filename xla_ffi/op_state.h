@@ -52,7 +52,7 @@ struct Resolved {
   GroupDeviceView view;
   AxisBinding binding;
   int64_t normal_limit = 0;  // bytes the normal-mode layout may use: [0, low_latency_offset) when an LL region is bound
-  uint32_t normal_remote = 0;  // normal targets with nvshmem: GroupCtx::remote
+  RankMask normal_remote = RankMask::none();  // normal targets with nvshmem: GroupCtx::remote
   int32_t normal_forward_nvl = 0;  // normal targets with nvshmem: GroupCtx::forward_nvl (hierarchical dispatch)
   low_latency::Ctx low_latency{};              // low-latency targets: the validated context (group, layout of the bound region)
 };

@@ -9,11 +9,25 @@
 
 namespace jax_ep::layout {
 
+// Ranks whose ballots, scan and positions are done together: per tile, the ranks are taken in chunks of this many,
+// so the per-warp counts stay 8 KB of shared memory whatever R is.
+constexpr int kRankChunk = 64;
+constexpr int kMaskWords = (kMaxGroupRanks + 63) / 64;
+
 // Scratch the caller provides in shared memory.
 struct BlockSmem {
-  int32_t warp_count[kLayoutThreads / 32][kMaxLayoutRanks];  // per tile: tokens of each warp sent to each rank
-  int32_t rank_base[kMaxLayoutRanks];                        // running count per rank over the tiles done
+  int32_t warp_count[kLayoutThreads / 32][kRankChunk];  // per tile and rank chunk: tokens of each warp sent to each rank
+  int32_t rank_base[kMaxGroupRanks];                   // running count per rank over the tiles done
 };
+
+// Bit r of a token's rank set, held as kMaskWords registers (the unrolled word select keeps them out of local memory).
+__device__ __forceinline__ bool has_rank(const uint64_t (&mask)[kMaskWords], int r) {
+  uint64_t word = 0;
+#pragma unroll
+  for (int w = 0; w < kMaskWords; ++w)
+    if (w == (r >> 6)) word = mask[w];
+  return (word >> (r & 63)) & 1u;
+}
 
 // Must be called by all kLayoutThreads threads of one block. s_expert: [E] s32 in shared memory.
 // NOTE: tokens are taken in tiles of kLayoutThreads, one per thread, so a warp ballot + a scan over the 32 warp
@@ -24,14 +38,16 @@ __device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_e
   const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
   const int L = E / R;
   for (int e = tid; e < E; e += kLayoutThreads) s_expert[e] = 0;
-  if (tid < R) sm.rank_base[tid] = 0;
+  for (int r = tid; r < R; r += kLayoutThreads) sm.rank_base[r] = 0;
   __syncthreads();
 
   const unsigned lt_mask = (1u << lane) - 1u;
   for (int tile = 0; tile < T; tile += kLayoutThreads) {
     const int t = tile + tid;
     const bool valid = t < T;
-    uint64_t mask = 0;
+    uint64_t mask[kMaskWords];
+#pragma unroll
+    for (int w = 0; w < kMaskWords; ++w) mask[w] = 0;
     if (valid) {
       const int32_t* row = p.topk_idx + static_cast<int64_t>(t) * K;
       int32_t ids[kMaxTopk];
@@ -40,36 +56,42 @@ __device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_e
       for (int k = 0; k < K; ++k) {
         const int32_t r = rank_of_expert(ids[k], E, L);
         if (r < 0) continue;
-        mask |= uint64_t{1} << r;
+#pragma unroll
+        for (int w = 0; w < kMaskWords; ++w)
+          if (w == (r >> 6)) mask[w] |= uint64_t{1} << (r & 63);
         if (!repeats_earlier(ids, k)) atomicAdd(&s_expert[ids[k]], 1);
       }
       if (p.is_token_in_rank != nullptr)
-        for (int r = 0; r < R; ++r) p.is_token_in_rank[static_cast<int64_t>(t) * R + r] = (mask >> r) & 1;
+        for (int r = 0; r < R; ++r) p.is_token_in_rank[static_cast<int64_t>(t) * R + r] = has_rank(mask, r);
     }
-    for (int r = 0; r < R; ++r) {
-      const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1);
-      if (lane == 0) sm.warp_count[warp][r] = __popc(b);
-    }
-    __syncthreads();
-    if (tid < R) {  // exclusive scan over the warps of this tile, continuing from earlier tiles
-      int32_t running = sm.rank_base[tid];
-      for (int w = 0; w < kWarps; ++w) {
-        const int32_t c = sm.warp_count[w][tid];
-        sm.warp_count[w][tid] = running;
-        running += c;
+    for (int first = 0; first < R; first += kRankChunk) {
+      const int n = R - first < kRankChunk ? R - first : kRankChunk;
+      for (int i = 0; i < n; ++i) {
+        const unsigned b = __ballot_sync(0xffffffffu, has_rank(mask, first + i));
+        if (lane == 0) sm.warp_count[warp][i] = __popc(b);
       }
-      sm.rank_base[tid] = running;
-    }
-    __syncthreads();
-    if (p.send_pos != nullptr) {
-      for (int r = 0; r < R; ++r) {
-        const bool bit = (mask >> r) & 1;
-        const unsigned b = __ballot_sync(0xffffffffu, bit);
-        if (valid)
-          p.send_pos[static_cast<int64_t>(t) * R + r] = bit ? sm.warp_count[warp][r] + __popc(b & lt_mask) : -1;
+      __syncthreads();
+      if (tid < n) {  // exclusive scan over the warps of this tile, continuing from earlier tiles
+        int32_t running = sm.rank_base[first + tid];
+        for (int w = 0; w < kWarps; ++w) {
+          const int32_t c = sm.warp_count[w][tid];
+          sm.warp_count[w][tid] = running;
+          running += c;
+        }
+        sm.rank_base[first + tid] = running;
       }
+      __syncthreads();
+      if (p.send_pos != nullptr) {
+        for (int i = 0; i < n; ++i) {
+          const bool bit = has_rank(mask, first + i);
+          const unsigned b = __ballot_sync(0xffffffffu, bit);
+          if (valid)
+            p.send_pos[static_cast<int64_t>(t) * R + first + i] = bit ? sm.warp_count[warp][i] + __popc(b & lt_mask)
+                                                                      : -1;
+        }
+      }
+      __syncthreads();  // warp_count is rewritten by the next chunk or tile
     }
-    __syncthreads();  // warp_count is rewritten by the next tile
   }
 }
 

@@ -23,6 +23,9 @@ namespace jax_ep::low_latency {
 constexpr int kSendThreads = 512;      // dispatch send: 16 warps per token
 constexpr int kThreads = 512;          // dispatch recv, combine send
 constexpr int kCombineRecvThreads = 256;
+// Kernels that wait for, count or signal every rank give rank s to thread s of a block: one thread per rank.
+static_assert(kSendThreads >= kMaxGroupRanks && kThreads >= kMaxGroupRanks && kCombineRecvThreads >= kMaxGroupRanks,
+              "a low-latency block has one thread per rank of the largest group");
 constexpr int kTermsInFlight = 8;      // combine receives: loads of this many terms of a sum issued before its adds
 constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vectors (4 per lane)
 constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)

@@ -235,41 +235,51 @@ __global__ void __launch_bounds__(kThreads) low_latency_per_rank_combine_send_ke
 __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
-  const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk, R = g.num_ranks;
+  const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
   const int part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
   char* half = self_base(g) + half_offset(c.low_latency, epoch);
-  __shared__ uint32_t s_mask;
+  __shared__ int32_t s_ranks[kMaxTopk];  // the ranks the token's valid experts live on, ascending, each once
+  __shared__ int32_t s_num_ranks;
   const char* rows = half + c.low_latency.rows;
   // Tokens t = blockIdx.x, blockIdx.x + gridDim.x, ... (combine_recv_grid: one wave); T = 0 runs no iteration and
   // the frame's finish_recv still publishes the epoch.
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-    __syncthreads();  // the previous token's readers of s_mask are done
+    __syncthreads();  // the previous token's readers of s_ranks are done
     if (tid == 0) {
-      uint32_t mask = 0;
+      int n = 0;
       for (int k = 0; k < K; ++k) {
         const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + k);
-        if (layout::valid_expert(e, E)) mask |= 1u << (e / L);  // masked slots (any weight) never contribute
+        if (!layout::valid_expert(e, E)) continue;  // masked slots (any weight) never contribute
+        const int32_t r = e / L;
+        int at = n;  // insertion into the sorted list, skipping a rank already there
+        while (at > 0 && s_ranks[at - 1] > r) --at;
+        if (at > 0 && s_ranks[at - 1] == r) continue;
+        for (int i = n; i > at; --i) s_ranks[i] = s_ranks[i - 1];
+        s_ranks[at] = r;
+        ++n;
       }
-      s_mask = mask;
+      s_num_ranks = n;
     }
     __syncthreads();
-    if (tid < R && ((s_mask >> tid) & 1u))
-      wait_reached(rank_word(half, c.low_latency, RankWord::kPartialFlags + tid), epoch, g.timeout_ns,
-                   "low-latency combine receive (per_rank)", g.rank, tid);
+    const int n = s_num_ranks;
+    for (int i = tid; i < n; i += blockDim.x)
+      wait_reached(rank_word(half, c.low_latency, RankWord::kPartialFlags + s_ranks[i]), epoch, g.timeout_ns,
+                   "low-latency combine receive (per_rank)", g.rank, s_ranks[i]);
     __syncthreads();
-    const uint32_t mask = s_mask;
     for (int ci = part * blockDim.x + tid; ci < H / 8; ci += parts * blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       constexpr int kTerms = kTermsInFlight / 2;  // 4 int4 in flight: 8 would spill under the 64-register cap
-      for (int d0 = 0; d0 < R; d0 += kTerms) {  // the chunk's loads in flight, then ascending rank order
+      for (int i0 = 0; i0 < n; i0 += kTerms) {  // the chunk's loads in flight, then ascending rank order (SPEC)
         int4 v[kTerms];
 #pragma unroll
         for (int u = 0; u < kTerms; ++u)
-          if (d0 + u < R && ((mask >> (d0 + u)) & 1u))
-            v[u] = ld_cg_v4(reinterpret_cast<const int4*>(rows + (static_cast<int64_t>(d0 + u) * Tm + t) * 2 * H) + ci);
+          if (i0 + u < n) {
+            const int64_t row = static_cast<int64_t>(s_ranks[i0 + u]) * Tm + t;
+            v[u] = ld_cg_v4(reinterpret_cast<const int4*>(rows + row * 2 * H) + ci);
+          }
 #pragma unroll
         for (int u = 0; u < kTerms; ++u) {
-          if (!(d0 + u < R && ((mask >> (d0 + u)) & 1u))) continue;  // docs/SPEC.md: ascending rank order
+          if (i0 + u >= n) continue;
           float f[8];
           unpack_bf16x8(v[u], f);
 #pragma unroll

@@ -40,23 +40,22 @@ __device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::B
 }
 
 // Dispatch notify, after every rank's counts have landed in this rank's counts / expert_counts regions: the handle
-// counts and the receive totals. Called by every thread of the notify block; s_counts: [R][R] shared scratch.
-__device__ __forceinline__ void notify_outputs(const DispatchParams& p, int32_t (*s_counts)[kMaxGroupRanks]) {
+// counts and the receive totals. Called by every thread of the notify block; reads the [R][R] count matrix from
+// global memory (ld.cg: peers wrote it), R entries per output.
+__device__ __forceinline__ void notify_outputs(const DispatchParams& p) {
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
   const char* self = self_base(g);
-  const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);
-  for (int i = tid; i < R * R; i += blockDim.x) s_counts[i / R][i % R] = __ldcg(counts + i);
-  __syncthreads();
-  if (tid < R) {
-    p.recv_rank_counts[tid] = s_counts[tid][me];
+  const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);  // [source s][destination d]
+  for (int d = tid; d < R; d += blockDim.x) {
+    p.recv_rank_counts[d] = __ldcg(counts + d * R + me);
     int32_t off = 0;
-    for (int s = 0; s < me; ++s) off += s_counts[s][tid];
-    p.send_row_offset[tid] = off;
+    for (int s = 0; s < me; ++s) off += __ldcg(counts + s * R + d);
+    p.send_row_offset[d] = off;
   }
   if (tid == 0) {
     int32_t total = 0;
-    for (int s = 0; s < R; ++s) total += s_counts[s][me];
+    for (int s = 0; s < R; ++s) total += __ldcg(counts + s * R + me);
     *p.num_recv_tokens = total;
   }
   const int32_t* expert_counts = reinterpret_cast<const int32_t*>(self + g.layout.expert_counts);
@@ -75,14 +74,15 @@ __device__ __forceinline__ int32_t token_row(const SendArgs& a, int t, int d) {
   return row < a.capacity ? row : -1;
 }
 
-// token_row of every rank, for the whole warp: rows[d] for d < kSlots (kSlots >= R; lane d computes rank d's, so
-// R <= 32). kSlots sizes the caller's register array: kMaxNvlPeers on the NVLink path (R <= 8), kMaxGroupRanks on
-// the NVSHMEM path when R > 8.
+// token_row of ranks first .. first + kSlots - 1, for the whole warp: rows[d] is rank first + d's (-1 past R; lane d
+// computes it). kSlots sizes the caller's register array: kMaxNvlPeers on the NVLink path (R <= 8, first = 0),
+// kWideSlots on the NVSHMEM path when R > 8 (one call per chunk of 32 ranks).
+constexpr int kWideSlots = 32;
 template <int kSlots>
-__device__ __forceinline__ void token_rows(const SendArgs& a, int t, int32_t* rows) {
+__device__ __forceinline__ void token_rows(const SendArgs& a, int t, int first, int32_t* rows) {
   static_assert(kSlots <= 32, "one lane per rank");
   const int lane = lane_id();
-  const int my_row = lane < a.g.num_ranks ? token_row(a, t, lane) : -1;
+  const int my_row = lane < kSlots && first + lane < a.g.num_ranks ? token_row(a, t, first + lane) : -1;
 #pragma unroll
   for (int d = 0; d < kSlots; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
 }
@@ -132,17 +132,18 @@ __device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int3
   }
 }
 
-// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank d with
-// rows[d] >= 0, through g.peers.base[d]: one warp, 16-byte vectors, each loaded once and stored to every
-// destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows).
+// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank
+// first + d with rows[d] >= 0, through g.peers.base[first + d]: one warp, 16-byte vectors, each loaded once and
+// stored to every destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries
+// (token_rows of the same first).
 template <int kSlots>
-__device__ __forceinline__ void store_token(const SendArgs& a, int t, const int32_t* rows) {
+__device__ __forceinline__ void store_token(const SendArgs& a, int t, int first, const int32_t* rows) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
   const int lane = lane_id();
   fan_out_row<kSlots>(reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes), a.row_bytes / 16,
                       rows, [&](int d) {
-                        return reinterpret_cast<int4*>(g.peers.base[d] + B.payload +
+                        return reinterpret_cast<int4*>(g.peers.base[first + d] + B.payload +
                                                        static_cast<int64_t>(rows[d]) * a.row_bytes);
                       });
   for (int j = lane; j < a.scale_cols; j += 32) {
@@ -150,7 +151,8 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
 #pragma unroll
     for (int d = 0; d < kSlots; ++d)
       if (rows[d] >= 0)
-        reinterpret_cast<float*>(g.peers.base[d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
+        reinterpret_cast<float*>(g.peers.base[first + d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] =
+            s;
   }
   if (lane < a.num_weights) {
     const int k = lane, K = a.num_weights;
@@ -159,16 +161,16 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, const int3
       if (rows[d] < 0) continue;
       int32_t id;
       float w;
-      local_entry(a, t, k, d, &id, &w);
+      local_entry(a, t, k, first + d, &id, &w);
       const int64_t at = static_cast<int64_t>(rows[d]) * K + k;
-      if (a.topk_idx != nullptr) reinterpret_cast<int32_t*>(g.peers.base[d] + B.topk_idx)[at] = id;
-      reinterpret_cast<float*>(g.peers.base[d] + B.topk_weights)[at] = w;
+      if (a.topk_idx != nullptr) reinterpret_cast<int32_t*>(g.peers.base[first + d] + B.topk_idx)[at] = id;
+      reinterpret_cast<float*>(g.peers.base[first + d] + B.topk_weights)[at] = w;
     }
   }
   if (a.write_src_idx && lane == 0) {
 #pragma unroll
     for (int d = 0; d < kSlots; ++d)
-      if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[d] + B.src_idx)[rows[d]] = t;
+      if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[first + d] + B.src_idx)[rows[d]] = t;
   }
 }
 

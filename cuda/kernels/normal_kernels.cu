@@ -40,15 +40,15 @@ __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ 
 // stream order: a grid of spinning blocks could starve kernels on other streams of this GPU (e.g. an NCCL
 // collective of the same program) that a peer is waiting for, and deadlock the group. Only one block ever spins.
 __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant__ GroupCtx g) {
-  if (static_cast<int>(threadIdx.x) < g.num_ranks)
-    wait_peer(g, threadIdx.x, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
+  const uint32_t epoch = current_epoch(g);
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
+    wait_peer(g, s, SignalHeader::kDataFlag, epoch, "receive (data from peers)");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
 __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ layout::BlockSmem sm;
-  __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
@@ -66,13 +66,11 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
     reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.expert_counts)[me * L + l] = s_expert[d * L + l];
   }
   __syncthreads();
-  if (tid < R) {
-    signal_peer(g, tid, SignalHeader::kCountFlag, epoch);
-    wait_peer(g, tid, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
-  }
+  for (int d = tid; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kCountFlag, epoch);
+  for (int s = tid; s < R; s += blockDim.x) wait_peer(g, s, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
   __syncthreads();
 
-  notify_outputs(p, s_counts);
+  notify_outputs(p);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -82,8 +80,8 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_co
   const uint32_t epoch = current_epoch(a.g);
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
     int32_t rows[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
-    token_rows<kMaxNvlPeers>(a, t, rows);
-    store_token<kMaxNvlPeers>(a, t, rows);
+    token_rows<kMaxNvlPeers>(a, t, 0, rows);
+    store_token<kMaxNvlPeers>(a, t, 0, rows);
   }
   finish_and_signal_data(a.g, epoch);
 }
@@ -127,7 +125,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
       for (s = 0; s + 1 < R && row >= s_prefix[s + 1]; ++s) {
       }
     // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
-    const bool meta = valid && ((g.remote >> s) & 1u);
+    const bool meta = valid && g.remote.test(s);
     const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
     const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
     int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
@@ -226,16 +224,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 
   for (int item = global_warp(); item < items; item += num_global_warps()) {
     const int t = item / chunks, c = item - t * chunks;
-    bool kept = false;
-    int32_t row = -1;
-    if (lane < R) {
-      const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + lane);
-      // A row cut by rank `lane`'s capacity never arrived there: it contributes 0 (its slot holds stale data).
-      row = __ldg(p.send_row_offset + lane) + sp;
-      kept = sp >= 0 && row < p.capacity;
-    }
-    const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
-    const int32_t local_row = __shfl_sync(0xffffffffu, row, me);  // row of token t in `values` if kept locally
+    const bool with_weights = c == 0 && lane < p.num_weights;
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
     const int base = c * kReduceVecs + lane;
     float acc[kU][P::kN];
@@ -244,56 +233,60 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 #pragma unroll
       for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
     }
-    // the ranks that kept the token, in ascending order (the summation order the results are defined by); with
-    // node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the partial row (values' dtype)
-    // its forwarder put into fwd_rows [node][t], at the place of the node's first rank
-    for (uint32_t m = kept_mask; m != 0u; m &= m - 1u) {
-      const int r = __ffs(m) - 1;
-      int4 v[kU];
-      if (nvl > 0 && r / nvl != me / nvl) {
-        const int node = r / nvl;
-        m &= ~(((1u << nvl) - 1u) << (node * nvl)) | (1u << r);  // the loop's step clears r itself
-        const int4* src = reinterpret_cast<const int4*>(self + B.fwd_rows + forward_slot(B, node, me / nvl, t) *
-                                                        B.payload_stride);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
-      } else if (r == me) {
-        // `values` is this op's read-only input: nothing writes it while the kernel runs.
-        const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
-      } else {
-        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+    float wacc = 0.0f;
+    // The ranks that kept the token, in ascending order (the summation order the results are defined by), 32 per
+    // ballot; with node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the partial row
+    // (values' dtype) its forwarder put into fwd_rows [node][t], at the place of the node's first kept rank
+    // (ranks ascend, so a node's later ranks find it in done_node).
+    int done_node = -1;
+    for (int first = 0; first < R; first += 32) {
+      bool kept = false;
+      if (first + lane < R) {
+        const int q = first + lane;
+        const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + q);
+        // A row cut by rank q's capacity never arrived there: it contributes 0 (its slot holds stale data).
+        kept = sp >= 0 && __ldg(p.send_row_offset + q) + sp < p.capacity;
       }
+      for (uint32_t m = __ballot_sync(0xffffffffu, kept); m != 0u; m &= m - 1u) {
+        const int r = first + __ffs(m) - 1;
+        int4 v[kU];
+        if (nvl > 0 && r / nvl != me / nvl) {
+          const int node = r / nvl;
+          if (node == done_node) continue;
+          done_node = node;
+          const int64_t slot = forward_slot(B, node, me / nvl, t);
+          const int4* src = reinterpret_cast<const int4*>(self + B.fwd_rows + slot * B.payload_stride);
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (base + 32 * u < n16) P::add(acc[u], v[u]);
+          for (int u = 0; u < kU; ++u)
+            if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+          if (with_weights)
+            wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + slot * B.fwd_stride + 4) + lane);
+        } else if (r == me) {
+          // row of token t in `values`; `values` is this op's read-only input: nothing writes it while the kernel runs
+          const int32_t local_row = __ldg(p.send_row_offset + me) + __ldg(p.send_pos + static_cast<int64_t>(t) * R + me);
+          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+            if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
+          if (with_weights) wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
+        } else {
+          const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+            if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+          if (with_weights)
+            wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + (r * rank_stride + t) *
+                                                                                       p.num_weights + lane);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) P::add(acc[u], v[u]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u)
       if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
-    if (c == 0 && lane < p.num_weights) {
-      float wacc = 0.0f;
-      const float* w = reinterpret_cast<const float*>(self + B.topk_weights);
-      for (int r = 0; r < R; ++r) {
-        if (!((kept_mask >> r) & 1u)) continue;
-        if (nvl > 0 && r / nvl != me / nvl) {
-          const int node = r / nvl;
-          if (kept_mask & ((1u << r) - 1u) & (((1u << nvl) - 1u) << (node * nvl))) continue;  // not its first rank
-          wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + forward_slot(B, node, me / nvl, t) *
-                                                        B.fwd_stride + 4) + lane);
-        } else if (r == me)
-          wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
-        else
-          wacc += __ldcg(w + (r * rank_stride + t) * p.num_weights + lane);
-      }
-      p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
-    }
+    if (with_weights) p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
   }
 }
 
@@ -303,7 +296,7 @@ int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
 // nullptr for the NVLink kernels. Error: remote ranks but the NVSHMEM module has not handed its table over.
 Status transport_ops(const GroupCtx& g, const NormalNvshmemOps** ops) {
   *ops = nullptr;
-  if (g.remote == 0u) return Status::Ok();
+  if (!g.remote.any()) return Status::Ok();
   *ops = normal_nvshmem_ops();
   if (*ops == nullptr)
     return Status::Error("this group has ranks reached by NVSHMEM puts (R > num_max_nvl_peers) but the NVSHMEM "

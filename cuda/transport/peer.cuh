@@ -21,8 +21,7 @@ namespace jax_ep {
 
 // NOTE: every kernel takes its parameters as `const __grid_constant__`, so a dynamic index reads the table straight
 // from the kernel's parameter space (the constant bank); on a by-value parameter without it, the compiler would copy
-// the whole struct to local memory. (An unrolled compare-and-select over kMaxGroupRanks = 32 entries cost registers:
-// 100 bytes of spills in the NVSHMEM LL dispatch send kernel.)
+// the whole struct to local memory; an unrolled compare-and-select over kMaxGroupRanks entries would spill.
 __device__ __forceinline__ char* peer_base(const GroupCtx& g, int r) { return g.peers.base[r]; }
 
 __device__ __forceinline__ char* self_base(const GroupCtx& g) { return peer_base(g, g.rank); }
@@ -36,7 +35,8 @@ __device__ __forceinline__ uint32_t current_epoch(const GroupCtx& g) {
   return *reinterpret_cast<volatile uint32_t*>(self_base(g) + SignalHeader::kBarrierEpoch);
 }
 
-// Called by every thread of one block (blockDim >= R). Returns the new epoch.
+// Called by every thread of one block (any blockDim: each thread signals and waits for ranks tid, tid + blockDim,
+// ...). Returns the new epoch.
 // NOTE: barrier_in[s] on rank r counts the ops rank s has entered; barrier_epoch counts the ops rank r has entered.
 // Both only grow (wrap-safe compares), so no host reset is ever needed and CUDA-graph replays stay correct. A rank
 // can be at most one op ahead of a peer: it cannot pass the next barrier before the peer arrives there.
@@ -44,13 +44,12 @@ __device__ __forceinline__ uint32_t group_barrier_block(const GroupCtx& g, const
   char* self = self_base(g);
   const uint32_t epoch = current_epoch(g) + 1;
   __syncthreads();  // everyone has read the old epoch before thread 0 advances it below
-  const int tid = threadIdx.x;
-  if (tid < g.num_ranks) {
-    red_add_release_sys(header_word(peer_base(g, tid), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
-    wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * tid), epoch, g.timeout_ns, what, g.rank, tid);
-  }
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
+    red_add_release_sys(header_word(peer_base(g, s), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
+    wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * s), epoch, g.timeout_ns, what, g.rank, s);
   __syncthreads();
-  if (tid == 0) *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kBarrierEpoch) = epoch;
+  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kBarrierEpoch) = epoch;
   return epoch;
 }
 

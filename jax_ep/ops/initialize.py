@@ -139,8 +139,9 @@ def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, warmup_ops: bool = T
     What is left for the first execution of the user's own program (loading its module, recording its CUDA graph)
     is XLA's: `jax_ep.warmup(compiled, *args)` runs that.
 
-    Raises EPError naming the argument for a wrong mesh axis, a config whose num_experts is not divisible by the
-    axis size, processes that disagree on the setup, or a warmup_ops that is not a bool.
+    Raises EPError naming the argument for a wrong mesh axis, an EP group of more than 256 ranks (MAX_GROUP_RANKS,
+    kMaxGroupRanks; on every backend), a config whose num_experts is not divisible by the axis size, processes that
+    disagree on the setup, or a warmup_ops that is not a bool.
     """
     if not isinstance(warmup_ops, bool):
         raise EPError(f"jax_ep.initialize: warmup_ops must be a bool, got {type(warmup_ops).__name__}")

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from .. import _native
-from ..config import EPConfig
+from ..config import MAX_GROUP_RANKS, EPConfig
 from ..errors import EPError
 from .kernel_env import kernel_environment
 from .transport import requested as requested_transport
@@ -96,15 +96,26 @@ def _layout_module():
     return _native.module()
 
 
+def check_group_ranks(op: str, what: str, num_ranks: int) -> None:
+    """EPError unless num_ranks <= MAX_GROUP_RANKS (kMaxGroupRanks), on every backend: the one group-size limit of
+    initialize and buffer_size_hint (the ops check it in ops/validation.py, check_kernel_limits)."""
+    if num_ranks > MAX_GROUP_RANKS:
+        raise EPError(f"jax_ep.{op}: {what} has {num_ranks} ranks; an EP group has at most {MAX_GROUP_RANKS} "
+                      f"(kMaxGroupRanks of the CUDA kernels; checked on every backend, so that a program that runs "
+                      f"here also runs on the GPUs)")
+
+
 def buffer_size_hint(cfg: EPConfig, num_ranks: int) -> BufferSizeHint:
     """Device bytes one rank of an EP group of `num_ranks` needs for `cfg` on the CUDA backend.
 
     Like DeepEP's size hints: plan memory before `initialize`; `Runtime.buffer_bytes` reports what was allocated.
-    Raises EPError for a num_ranks that is not a positive divisor of cfg.num_experts, or without the native extension.
+    Raises EPError for a num_ranks that is not a positive divisor of cfg.num_experts or above MAX_GROUP_RANKS (256,
+    kMaxGroupRanks), or without the native extension.
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise EPError(f"jax_ep.buffer_size_hint: num_ranks must be a positive int, got {num_ranks!r}")
     num_ranks = int(num_ranks)
+    check_group_ranks("buffer_size_hint", "num_ranks", num_ranks)
     try:
         cfg.check_num_ranks(num_ranks)
     except ValueError as e:
@@ -226,8 +237,9 @@ def setup(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
     mesh adds them (new buffers sized for all; the old ones are kept until finalize so earlier programs stay valid);
     with another mesh it finalizes the previous runtime first. With several processes it is collective.
 
-    Raises EPError naming the argument for a wrong mesh axis, a config whose num_experts is not divisible by the
-    axis size, or processes that disagree on the setup.
+    Raises EPError naming the argument for a wrong mesh axis, an axis of more than MAX_GROUP_RANKS (256,
+    kMaxGroupRanks) devices, a config whose num_experts is not divisible by the axis size, or processes that
+    disagree on the setup.
     """
     if kwargs:
         raise EPError(f"jax_ep.initialize: unexpected keyword arguments {sorted(kwargs)}")
@@ -238,6 +250,9 @@ def setup(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
     for i, cfg in enumerate(configs):
         if not isinstance(cfg, EPConfig):
             raise EPError(f"jax_ep.initialize: configs[{i}] must be an EPConfig, got {type(cfg).__name__}")
+    for i, cfg in enumerate(configs):  # before anything is torn down or set up, on every backend
+        check_group_ranks("initialize", f"mesh axis {cfg.axis_name!r} (EPConfig.axis_name of configs[{i}])",
+                          int(dict(mesh.shape).get(cfg.axis_name, 0)))
     kernel_environment()  # EPError naming a kernel variable (JAX_EP_LOW_LATENCY_PUT_BYTES) with an invalid value
     with _lock:
         current_rt: Runtime | None = _state["runtime"]

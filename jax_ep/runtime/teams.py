@@ -136,8 +136,10 @@ def check_team_budget(plan, environ=None) -> None:
 def plan_within_budget(groups: dict, nvl_values: dict, environ=None) -> tuple[list[TeamSpec], str | None]:
     """The teams to make: the whole plan when it fits NVSHMEM_MAX_TEAMS; else the plan without its NVLink ("node")
     teams, which no kernel uses, and a note saying so (several EP groups of a data-parallel axis multiply them:
-    dp=2 x EP32 with nodes of 8 needs 34 teams with them, 26 without). EPError when even that does not fit. The same
-    answer on every process (the same plan and environment)."""
+    dp=2 x EP32 with nodes of 8 needs 34 teams with them, 26 without; so does a wide group: EP256, the widest
+    (kMaxGroupRanks), in 32 nodes of 8 needs 41 with them, 9 without, which fits NVSHMEM's default of 32 with the
+    reserved 8). EPError when even that does not fit. The same answer on every process (the same plan and
+    environment)."""
     plan = plan_teams(groups, nvl_values)
     try:
         check_team_budget(plan, environ)

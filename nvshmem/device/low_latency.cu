@@ -105,7 +105,7 @@ __device__ __forceinline__ uint64_t wait_signal(uint64_t* word, const Ctx& c, co
 // group has no pointer for, peers.base[q] being host nvshmem_ptr's answer), so the kernels read one bit instead of
 // NVSHMEM's device state per call, and reach a direct rank's copy of a symmetric address through peers.base
 // (direct_ptr: the same address nvshmem_ptr gives).
-__device__ __forceinline__ bool is_direct(const Ctx& c, int d) { return !((c.remote_ranks >> d) & 1u); }
+__device__ __forceinline__ bool is_direct(const Ctx& c, int d) { return !c.remote_ranks.test(d); }
 
 // Rank d's copy of the symmetric address `sym` of this rank's buffer, as this device addresses it (d direct).
 template <typename T>
@@ -484,7 +484,7 @@ bool all_peers_remote() {
 template <typename Params>
 Params with_test_hook(const Params& p) {
   Params q = p;
-  if (all_peers_remote()) q.c.remote_ranks = ~0u;
+  if (all_peers_remote()) q.c.remote_ranks = RankMask::all();
   return q;
 }
 

@@ -18,7 +18,7 @@ namespace {
 
 using namespace jax_ep::normal;  // NOLINT
 
-__device__ __forceinline__ bool is_remote(const GroupCtx& g, int d) { return (g.remote >> d) & 1u; }
+__device__ __forceinline__ bool is_remote(const GroupCtx& g, int d) { return g.remote.test(d); }
 
 // NVSHMEM PE of rank d (a dynamic index into the __grid_constant__ parameter: transport/peer.cuh, peer_base).
 __device__ __forceinline__ int pe_of(const GroupCtx& g, int d) { return g.pe[d]; }

@@ -20,7 +20,8 @@ namespace jax_ep::nvshmem {
 namespace {
 
 // The barrier of transport/peer.cuh (group_barrier_block) with remote pairs signalled through NVSHMEM. Called by
-// every thread of one block (blockDim >= R). Returns the op's epoch (kBarrierEpoch, shared with the NVLink
+// every thread of one block (any blockDim: thread i takes ranks i, i + blockDim, ...; every arrival is signalled
+// before any is waited for). Returns the op's epoch (kBarrierEpoch, shared with the NVLink
 // kernels: the direct pairs' data and count flags carry it).
 __device__ uint32_t nvshmem_barrier_block(const GroupCtx& g, const char* what) {
   char* self = self_base(g);
@@ -36,14 +37,17 @@ __device__ uint32_t nvshmem_barrier_block(const GroupCtx& g, const char* what) {
     __threadfence_system();
   }
   __syncthreads();  // everyone has read the old epochs before thread 0 advances them below
-  if (tid < g.num_ranks) {
-    if (is_remote(g, tid)) {
-      nvshmemx_signal_op(nvshmem_word(g, SignalHeader::kNvshmemBarrier, g.rank), 1, NVSHMEM_SIGNAL_ADD, pe_of(g, tid));
-      wait_word_reached(nvshmem_word(g, SignalHeader::kNvshmemBarrier, tid), nvshmem_epoch, g, what, tid);
-    } else {
-      red_add_release_sys(header_word(peer_base(g, tid), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
-      wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * tid), epoch, g.timeout_ns, what, g.rank, tid);
-    }
+  for (int s = tid; s < g.num_ranks; s += blockDim.x) {
+    if (is_remote(g, s))
+      nvshmemx_signal_op(nvshmem_word(g, SignalHeader::kNvshmemBarrier, g.rank), 1, NVSHMEM_SIGNAL_ADD, pe_of(g, s));
+    else
+      red_add_release_sys(header_word(peer_base(g, s), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
+  }
+  for (int s = tid; s < g.num_ranks; s += blockDim.x) {
+    if (is_remote(g, s))
+      wait_word_reached(nvshmem_word(g, SignalHeader::kNvshmemBarrier, s), nvshmem_epoch, g, what, s);
+    else
+      wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * s), epoch, g.timeout_ns, what, g.rank, s);
   }
   __syncthreads();
   if (tid == 0) {
@@ -60,8 +64,8 @@ __global__ void __launch_bounds__(32, 1) nvshmem_barrier_kernel(const __grid_con
 // Dispatch step 1 (one block): layout, barrier, count exchange (stores to direct ranks, two counted puts to each
 // remote rank), handle counts.
 __global__ void __launch_bounds__(kLayoutThreads, 1) nvshmem_notify_kernel(const __grid_constant__ DispatchParams p) {
+  static_assert(kLayoutThreads >= kMaxGroupRanks, "the count exchange gives rank s to thread s");
   __shared__ layout::BlockSmem sm;
-  __shared__ int32_t s_counts[kMaxGroupRanks][kMaxGroupRanks];
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
@@ -111,7 +115,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) nvshmem_notify_kernel(const
     }
   }
   __syncthreads();
-  notify_outputs(p, s_counts);
+  notify_outputs(p);
 }
 
 // Hierarchical dispatch, one warp: token t (its row staged at s_row) to every other node with a destination in it,
@@ -153,7 +157,8 @@ __device__ __forceinline__ void put_forwarded(const SendArgs& a, int t, const ch
 // Dispatch / cached dispatch rows: one warp per token. Direct destinations get the NVLink stores; for remote ones
 // the token's row is staged once in the send area with one meta record per remote destination, then put as two
 // pieces: the row into the staging row the stores would fill, the record into the same row of remote_meta.
-// kSlots >= R: the per-token destination arrays (kMaxNvlPeers for R <= 8, kMaxGroupRanks above).
+// kSlots: ranks per pass over the destinations (register arrays): kMaxNvlPeers for R <= 8 (one pass), kWideSlots
+// above (one pass per chunk of 32 ranks; chunks without a destination of the token are skipped).
 template <int kSlots>
 __global__ void __launch_bounds__(kSendThreads) nvshmem_send_rows_kernel(const __grid_constant__ SendArgs a) {
   const GroupCtx& g = a.g;
@@ -162,61 +167,68 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_send_rows_kernel(const _
   const uint32_t epoch = current_epoch(g);
   char* self = self_base(g);
   bool put_any = false;
+  // One meta record per remote destination (its local ids and weights differ): weights, ids, source index,
+  // scales (staging_layout.h); cached dispatch only has weights.
+  const int64_t Km = B.meta_k;
+  const bool full_record = a.topk_idx != nullptr || a.write_src_idx || a.scale_cols > 0;
+  const int meta_bytes = full_record ? static_cast<int>(4 * (2 * Km + 1) + 4 * a.scale_cols) : 4 * K;
 
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
-    int32_t rows[kSlots], direct[kSlots];
-    token_rows<kSlots>(a, t, rows);
-    bool any_remote = false;
-#pragma unroll
-    for (int d = 0; d < kSlots; ++d) {
-      const bool remote = rows[d] >= 0 && is_remote(g, d);
-      direct[d] = remote ? -1 : rows[d];
-      any_remote |= remote;
-    }
-    store_token<kSlots>(a, t, direct);
-    if (!any_remote) continue;
-    put_any = true;
-
     char* s_row = self + B.send_rows + static_cast<int64_t>(t) * a.row_bytes;
-    warp_copy_row(reinterpret_cast<int4*>(s_row), reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) *
-                                                                                      a.row_bytes),
-                  a.row_bytes);
-    if (g.forward_nvl > 0) {
+    bool staged = false;  // warp-uniform: rows[] are the same in every lane
+    // kMaxNvlPeers: R <= 8, one pass (the bound lets the compiler drop the loop)
+    for (int first = 0; first < (kSlots >= kWideSlots ? R : 1); first += kSlots) {
+      int32_t rows[kSlots], direct[kSlots];
+      token_rows<kSlots>(a, t, first, rows);
+      bool any_dest = false, any_remote = false;
+#pragma unroll
+      for (int d = 0; d < kSlots; ++d) {
+        const bool remote = rows[d] >= 0 && is_remote(g, first + d);
+        direct[d] = remote ? -1 : rows[d];
+        any_dest |= rows[d] >= 0;
+        any_remote |= remote;
+      }
+      if (!any_dest) continue;
+      store_token<kSlots>(a, t, first, direct);
+      if (!any_remote) continue;
+      if (!staged) {
+        warp_copy_row(reinterpret_cast<int4*>(s_row),
+                      reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes), a.row_bytes);
+        staged = put_any = true;
+      }
+      if (g.forward_nvl > 0) continue;  // every other node once, after the last chunk (put_forwarded)
+#pragma unroll 1
+      for (int d = 0; d < kSlots; ++d) {
+        if (direct[d] >= 0 || rows[d] < 0) continue;
+        char* rec = self + B.send_meta + (static_cast<int64_t>(t) * R + first + d) * B.meta_stride;
+        if (lane < K) {
+          int32_t id;
+          float w;
+          local_entry(a, t, lane, first + d, &id, &w);
+          reinterpret_cast<float*>(rec)[lane] = w;
+          if (full_record) reinterpret_cast<int32_t*>(rec + 4 * Km)[lane] = id;
+        }
+        if (full_record && lane == 0) *reinterpret_cast<int32_t*>(rec + 8 * Km) = t;
+        float* scales = reinterpret_cast<float*>(rec + 4 * (2 * Km + 1));
+        for (int j = lane; j < a.scale_cols; j += 32)
+          scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
+      }
+      __threadfence();  // the staged bytes are in memory before a put reads them
+      __syncwarp();
+#pragma unroll 1
+      for (int d = 0; d < kSlots; ++d) {
+        if (direct[d] >= 0 || rows[d] < 0) continue;
+        const int pe = pe_of(g, first + d);
+        const int64_t row = rows[d];
+        put_plain(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, pe);
+        if (meta_bytes > 0)
+          put_plain(self + B.remote_meta + row * B.meta_stride,
+                    self + B.send_meta + (static_cast<int64_t>(t) * R + first + d) * B.meta_stride, meta_bytes, pe);
+      }
+    }
+    if (staged && g.forward_nvl > 0) {
       __threadfence();  // the staged row is in memory before a put reads it
       put_forwarded(a, t, s_row);
-      continue;
-    }
-    // One meta record per remote destination (its local ids and weights differ): weights, ids, source index,
-    // scales (staging_layout.h); cached dispatch only has weights.
-    const int64_t Km = B.meta_k;
-    const bool full_record = a.topk_idx != nullptr || a.write_src_idx || a.scale_cols > 0;
-    const int meta_bytes = full_record ? static_cast<int>(4 * (2 * Km + 1) + 4 * a.scale_cols) : 4 * K;
-    for (int d = 0; d < R; ++d) {
-      if (direct[d] >= 0 || rows[d] < 0) continue;
-      char* rec = self + B.send_meta + (static_cast<int64_t>(t) * R + d) * B.meta_stride;
-      if (lane < K) {
-        int32_t id;
-        float w;
-        local_entry(a, t, lane, d, &id, &w);
-        reinterpret_cast<float*>(rec)[lane] = w;
-        if (full_record) reinterpret_cast<int32_t*>(rec + 4 * Km)[lane] = id;
-      }
-      if (full_record && lane == 0) *reinterpret_cast<int32_t*>(rec + 8 * Km) = t;
-      float* scales = reinterpret_cast<float*>(rec + 4 * (2 * Km + 1));
-      for (int j = lane; j < a.scale_cols; j += 32)
-        scales[j] = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
-    }
-    __threadfence();  // the staged bytes are in memory before a put reads them
-    __syncwarp();
-
-    for (int d = 0; d < R; ++d) {
-      if (direct[d] >= 0 || rows[d] < 0) continue;
-      const int pe = pe_of(g, d);
-      const int64_t row = rows[d];
-      put_plain(self + B.payload + row * a.row_bytes, s_row, a.row_bytes, pe);
-      if (meta_bytes > 0)
-        put_plain(self + B.remote_meta + row * B.meta_stride,
-                  self + B.send_meta + (static_cast<int64_t>(t) * R + d) * B.meta_stride, meta_bytes, pe);
     }
   }
   if (put_any) nvshmem_quiet();  // this warp's puts (every lane issued part of them) are delivered
@@ -291,13 +303,15 @@ enum WaitFor : int {
 // Waits (one warp, as the NVLink kernels' wait: only this kernel spins) until the rows of the ranks `which` names
 // are in this rank's staging (kWaitForwarders: in its forwarding area).
 __global__ void __launch_bounds__(32, 1) nvshmem_wait_data_kernel(const __grid_constant__ GroupCtx g, int which) {
-  const int s = threadIdx.x;
-  if (s >= g.num_ranks) return;
-  if (is_remote(g, s)) {
-    if (which == kWaitNode || (which == kWaitForwarders && s % g.forward_nvl != g.rank % g.forward_nvl)) return;
-    wait_complete_and_reset(nvshmem_word(g, SignalHeader::kNvshmemData, s), g, "receive (NVSHMEM, data from peers)", s);
-  } else if (which != kWaitForwarders) {
-    wait_peer(g, s, SignalHeader::kDataFlag, current_epoch(g), "receive (data from peers)");
+  const uint32_t epoch = current_epoch(g);
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x) {
+    if (is_remote(g, s)) {
+      if (which == kWaitNode || (which == kWaitForwarders && s % g.forward_nvl != g.rank % g.forward_nvl)) continue;
+      wait_complete_and_reset(nvshmem_word(g, SignalHeader::kNvshmemData, s), g, "receive (NVSHMEM, data from peers)",
+                              s);
+    } else if (which != kWaitForwarders) {
+      wait_peer(g, s, SignalHeader::kDataFlag, epoch, "receive (data from peers)");
+    }
   }
 }
 
@@ -316,7 +330,7 @@ const char* dispatch_notify(const DispatchParams& p, cudaStream_t stream) {
 
 // Dispatch / cached dispatch: send, and (hierarchical) forward, until every row of the op is in this rank's staging.
 const char* send_and_receive_rows(const SendArgs& a, int blocks, cudaStream_t stream) {
-  // Test hook JAX_EP_TEST_WIDE_SEND=1: the 32-slot instance for any R, so that the sanitizer runs cover it on 2 GPUs.
+  // Test hook JAX_EP_TEST_WIDE_SEND=1: the chunked instance for any R, so that the sanitizer runs cover it on 2 GPUs.
   static const bool wide = [] {
     const char* v = std::getenv("JAX_EP_TEST_WIDE_SEND");
     return v != nullptr && v[0] == '1';
@@ -324,7 +338,7 @@ const char* send_and_receive_rows(const SendArgs& a, int blocks, cudaStream_t st
   if (a.g.num_ranks <= kMaxNvlPeers && !wide)
     nvshmem_send_rows_kernel<kMaxNvlPeers><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
   else
-    nvshmem_send_rows_kernel<kMaxGroupRanks><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
+    nvshmem_send_rows_kernel<kWideSlots><<<clamp_blocks(blocks), kSendThreads, 0, stream>>>(a);
   if (const char* err = launch_error("dispatch send (NVSHMEM)")) return err;
   if (a.g.forward_nvl > 0) {
     nvshmem_wait_data_kernel<<<1, 32, 0, stream>>>(a.g, kWaitForwarders);
@@ -360,7 +374,7 @@ Status preload_normal_kernels() {
   const Status st = preload({reinterpret_cast<const void*>(nvshmem_barrier_kernel),
                              reinterpret_cast<const void*>(nvshmem_notify_kernel),
                              reinterpret_cast<const void*>(nvshmem_send_rows_kernel<kMaxNvlPeers>),
-                             reinterpret_cast<const void*>(nvshmem_send_rows_kernel<kMaxGroupRanks>),
+                             reinterpret_cast<const void*>(nvshmem_send_rows_kernel<kWideSlots>),
                              reinterpret_cast<const void*>(nvshmem_combine_send_kernel),
                              reinterpret_cast<const void*>(nvshmem_wait_data_kernel)});
   return st.ok() ? preload_forward_kernels() : st;

@@ -180,7 +180,10 @@ def _mps_running() -> bool:
 # (kMaxGroupRanks) with fewer steps and tokens: each process holds every rank's inputs on the host, and 32 processes
 # with the default sizes ran out of host memory on a 256 GiB machine.
 SHARED_GPU_CASES = [(2, 2, 1, ()), (4, 2, 2, ()), (8, 4, 4, ()), (16, 8, 8, ()),
-                    (32, 16, 8, ("--steps", "20", "--tokens", "16"))]
+                    (32, 16, 8, ("--steps", "20", "--tokens", "16")),
+                    # EP64 as 8 nodes of 8 (kMaxGroupRanks: groups up to 256): 32 processes per GPU on 2 GPUs, few
+                    # steps and tokens (every process holds every rank's inputs for the oracle)
+                    (64, 32, 8, ("--steps", "5", "--tokens", "4"))]
 
 
 @pytest.mark.parametrize("n,per_gpu,nvl,extra", SHARED_GPU_CASES)

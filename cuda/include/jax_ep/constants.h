@@ -7,14 +7,13 @@
 namespace jax_ep {
 
 // ---- routing (the layout target and the dispatch notify kernel) ----
-constexpr int kMaxLayoutRanks = 64;        // the rank mask of a token is one 64-bit word
 constexpr int kMaxLayoutExperts = 8192;    // CUDA: per-expert counters live in shared memory (32 KB)
 constexpr int kLayoutThreads = 1024;       // one block computes a layout (T <= 8192 in practice: a few us)
 
 // ---- groups (both modes) ----
-// R, ranks per EP group: per-rank words of the signal header, the u32 remote-rank masks and the one-warp loops
-// over ranks (lane = rank) are sized for 32. EP32 = 4 hosts of 8 GPUs.
-constexpr int kMaxGroupRanks = 32;
+// R, ranks per EP group: the per-rank words of the signal header and the rank masks (RankMask, rank_mask.h) are
+// sized for it; loops over ranks stride by the block or warp size. EP256 = 32 hosts of 8 GPUs.
+constexpr int kMaxGroupRanks = 256;
 // Ranks one group reaches by load/store on the NVLink normal-mode path (the per-token destination arrays of its
 // send kernel): that path runs for R <= num_max_nvl_peers <= 8; wider groups take the NVSHMEM kernels.
 constexpr int kMaxNvlPeers = 8;
@@ -23,7 +22,7 @@ constexpr int kMaxTopk = 16;               // K
 // ---- staging buffer (cuda/include/jax_ep/staging_layout.h) ----
 constexpr int64_t kAlign = 256;            // every region of the staging buffer starts on this boundary
 constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
-constexpr int64_t kSignalHeaderBytes = 2048;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
+constexpr int64_t kSignalHeaderBytes = 12288;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
 
 // ---- low-latency mode ----
 constexpr int64_t kMaxLowLatencyExperts = 1024;  // per-expert scratch counters of the combine sender (E <= 1024)

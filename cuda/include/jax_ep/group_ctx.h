@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "jax_ep/constants.h"
+#include "jax_ep/rank_mask.h"
 #include "jax_ep/staging_layout.h"
 
 namespace jax_ep {
@@ -23,9 +24,9 @@ struct GroupCtx {
   int32_t num_ranks;     // R <= kMaxGroupRanks
   uint64_t timeout_ns;   // device waits trap after this long
   int32_t pe[kMaxGroupRanks];  // one process per GPU: NVSHMEM world PE of every rank (NVSHMEM puts); else -1
-  // Normal mode over NVSHMEM (EPConfig.normal_over_nvshmem): bit q = rank q is reached by NVSHMEM puts and signal
-  // ops only (another NVLink domain, or no load/store mapping); never this rank's bit. 0: every rank by pointers.
-  uint32_t remote;
+  // Normal mode over NVSHMEM (EPConfig.normal_over_nvshmem): rank q set = reached by NVSHMEM puts and signal ops
+  // only (another NVLink domain, or no load/store mapping); never this rank. Empty: every rank by pointers.
+  RankMask remote;
   // Hierarchical dispatch over NVSHMEM (BufferLayout::fwd_nodes > 0 and `remote` = exactly the ranks of other nodes):
   // the node size num_max_nvl_peers; 0: the flat NVSHMEM kernels (or none).
   int32_t forward_nvl;

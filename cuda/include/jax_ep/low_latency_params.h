@@ -82,16 +82,16 @@ struct Ctx {
   int32_t hidden;            // H
   int32_t max_tokens;        // T_max
   int32_t sm_count;          // SMs of this device (grid sizing)
-  uint32_t remote_ranks;     // NVSHMEM kernels: bit q set = rank q is reached by NVSHMEM puts and signal ops only
+  RankMask remote_ranks;     // NVSHMEM kernels: rank q set = reached by NVSHMEM puts and signal ops only
                              // (another NVLink domain: remote_ranks()); clear = by stores through nvshmem_ptr
 };
 
 // The ranks of a group of R outside `rank`'s NVLink domain of nvl_domain ranks (domain of q: q / nvl_domain, the
 // node of DeepEP's layout; the RDMA team is the ranks of one local index q % nvl_domain).
-inline uint32_t remote_ranks(int rank, int num_ranks, int nvl_domain) {
-  uint32_t mask = 0;
-  for (int q = 0; q < num_ranks && q < 32; ++q)
-    if (q / nvl_domain != rank / nvl_domain) mask |= 1u << q;
+inline RankMask remote_ranks(int rank, int num_ranks, int nvl_domain) {
+  RankMask mask = RankMask::none();
+  for (int q = 0; q < num_ranks && q < kMaxGroupRanks; ++q)
+    if (q / nvl_domain != rank / nvl_domain) mask.set(q);
   return mask;
 }
 
