@@ -145,6 +145,32 @@ def test_nvlink_teams_are_dropped_with_a_note_when_only_they_exceed_the_budget()
         teams.plan_within_budget(groups, {"ep": {8}}, {"NVSHMEM_MAX_TEAMS": "20"})
 
 
+def test_team_budget_counts_the_teams_earlier_initializes_made():
+    """NVSHMEM never gives a team's slot back and runtime/nvshmem.py keeps every team it made for later initializes,
+    so the budget of an initialize is the union of its plan and the teams already made (by key), not its plan alone:
+    EP32 with nodes of 8, then nodes of 4, then 2 in one process adds RDMA and NVLink teams each time."""
+    group = {"ep": [tuple(range(32))]}
+    made = set()
+    for nvl, want in ((8, 1 + 8 + 4), (4, 13 + 4 + 8), (2, 25 + 2 + 16)):
+        plan = teams.plan_teams(group, {"ep": {nvl}})
+        assert teams.teams_needed(plan, made) == want, (nvl, teams.teams_needed(plan, made))
+        held = set(made)  # after the loop: the 25 teams the first two initializes made
+        made |= {(s.start, s.stride, s.size) for s in plan}
+    # the third initialize alone would fit (1 + 2 + 16 = 19 + 8 <= 32); with the 25 teams held it is 43
+    third = teams.plan_teams(group, {"ep": {2}})
+    teams.check_team_budget(third, {})
+    assert len(held) == 25
+    with pytest.raises(EPError, match=r"need \d+ NVSHMEM teams \(\d+ of them made by earlier initializes"):
+        teams.check_team_budget(third, {}, existing=held)
+    # without its NVLink teams the third fits beside the held ones only when they leave room: 25 + 2 = 27 + 8 > 32
+    with pytest.raises(EPError, match="made by earlier initializes"):
+        teams.plan_within_budget(group, {"ep": {2}}, {}, existing=held)
+    # the same keys again cost nothing: an initialize that repeats an earlier plan reuses its teams
+    first = teams.plan_teams(group, {"ep": {8}})
+    assert teams.teams_needed(first, {(s.start, s.stride, s.size) for s in first}) == len(first)
+    teams.check_team_budget(first, {}, existing={(s.start, s.stride, s.size) for s in first})
+
+
 # ---------------------------------------------------------------------------------------------------------
 # NVSHMEM environment (the one place that decides NVSHMEM_* variables)
 # ---------------------------------------------------------------------------------------------------------

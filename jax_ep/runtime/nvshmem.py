@@ -149,7 +149,8 @@ class NvshmemTransport:
         nvl: dict = {}
         for c in cuda_configs:
             nvl.setdefault(c.axis_name, set()).add(c.num_max_nvl_peers)
-        plan, note = teams_mod.plan_within_budget({a: pes_by_axis[a] for a in axes}, nvl)
+        plan, note = teams_mod.plan_within_budget({a: pes_by_axis[a] for a in axes}, nvl,
+                                                  existing=tuple(_process.get("teams", {})))
         if note:
             log.warning(note)
         # per axis with low-latency buffers: the NVLink domain of the NVSHMEM LL kernels, 0 for the NVLink kernels

@@ -123,36 +123,51 @@ def team_limit(environ=None) -> int:
         raise EPError(f"jax_ep.initialize: NVSHMEM_MAX_TEAMS={raw!r} is not an integer") from None
 
 
-def check_team_budget(plan, environ=None) -> None:
-    """Raises EPError when the plan needs more teams than NVSHMEM_MAX_TEAMS allows (same answer on every process)."""
+def teams_needed(plan, existing=()) -> int:
+    """Team slots the process holds once `plan` is made: the plan's teams and the ones earlier initializes made
+    (`existing`: their (start, stride, size) keys), counted once each. NVSHMEM does not give a destroyed team's
+    slot back, so every team a process ever made keeps its slot (runtime/nvshmem.py keeps and reuses them)."""
+    return len(set(existing) | {(s.start, s.stride, s.size) for s in plan})
+
+
+def check_team_budget(plan, environ=None, existing=()) -> None:
+    """Raises EPError when the plan, with the teams earlier initializes of this process made (`existing`), needs more
+    teams than NVSHMEM_MAX_TEAMS allows (same answer on every process: the same plans in the same order)."""
     limit = team_limit(environ)
-    if len(plan) + NVSHMEM_RESERVED_TEAMS > limit:
-        raise EPError(f"jax_ep.initialize: the mesh and configs need {len(plan)} NVSHMEM teams; with "
+    needed = teams_needed(plan, existing)
+    if needed + NVSHMEM_RESERVED_TEAMS > limit:
+        earlier = needed - teams_needed(plan)
+        held = (f" ({earlier} of them made by earlier initializes of this process, which NVSHMEM cannot free)"
+                if earlier else "")
+        raise EPError(f"jax_ep.initialize: the mesh and configs need {needed} NVSHMEM teams{held}; with "
                       f"NVSHMEM_MAX_TEAMS={limit} (about {NVSHMEM_RESERVED_TEAMS} taken by NVSHMEM itself) at most "
                       f"{limit - NVSHMEM_RESERVED_TEAMS} fit. Set NVSHMEM_MAX_TEAMS >= "
-                      f"{len(plan) + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize")
+                      f"{needed + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize")
 
 
-def plan_within_budget(groups: dict, nvl_values: dict, environ=None) -> tuple[list[TeamSpec], str | None]:
+def plan_within_budget(groups: dict, nvl_values: dict, environ=None,
+                       existing=()) -> tuple[list[TeamSpec], str | None]:
     """The teams to make: the whole plan when it fits NVSHMEM_MAX_TEAMS; else the plan without its NVLink ("node")
     teams, which no kernel uses, and a note saying so (several EP groups of a data-parallel axis multiply them:
     dp=2 x EP32 with nodes of 8 needs 34 teams with them, 26 without; so does a wide group: EP256, the widest
     (kMaxGroupRanks), in 32 nodes of 8 needs 41 with them, 9 without, which fits NVSHMEM's default of 32 with the
-    reserved 8). EPError when even that does not fit. The same answer on every process (the same plan and
-    environment)."""
+    reserved 8). `existing`: the (start, stride, size) keys of the teams earlier initializes of this process made,
+    which keep their slots (teams_needed). EPError when even that does not fit. The same answer on every process
+    (the same plan, history and environment)."""
     plan = plan_teams(groups, nvl_values)
     try:
-        check_team_budget(plan, environ)
+        check_team_budget(plan, environ, existing)
         return plan, None
     except EPError:
         core = [s for s in plan if s.kind != "node"]
         if len(core) == len(plan):
             raise
-    check_team_budget(core, environ)
-    return core, (f"jax_ep.initialize: made no NVLink (node) teams: with them the mesh and configs need {len(plan)} "
+    check_team_budget(core, environ, existing)
+    needed = teams_needed(plan, existing)
+    return core, (f"jax_ep.initialize: made no NVLink (node) teams: with them the mesh and configs need {needed} "
                   f"NVSHMEM teams, more than NVSHMEM_MAX_TEAMS allows (about {NVSHMEM_RESERVED_TEAMS} taken by "
                   f"NVSHMEM itself). No jax_ep kernel uses them; set NVSHMEM_MAX_TEAMS >= "
-                  f"{len(plan) + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize to have them")
+                  f"{needed + NVSHMEM_RESERVED_TEAMS} before the first jax_ep.initialize to have them")
 
 
 def my_teams(plan, pe: int) -> list[tuple[TeamSpec, int]]:
