@@ -61,6 +61,23 @@ def cuda_gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def cpu_child_env(drop_slurm: bool = False, **extra) -> dict:
+    """The environment of a CPU child process (a launcher job or a program of the CPU suite): this one's without the
+    suite's XLA_FLAGS, the launcher's JAX_NUM_CPU_DEVICES and CUDA_VISIBLE_DEVICES (and SLURM_* with drop_slurm:
+    the launcher would read them as the job's shape), JAX_PLATFORMS=cpu, the repository first on PYTHONPATH, then
+    `extra` (a None value leaves the variable unset)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not (drop_slurm and k.startswith("SLURM_"))}
+    for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        env.pop(k, None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
 def gpu_child_env(*extra_paths: str, **extra: str) -> dict:
     """The environment of a GPU child process: this one's without the CPU suite's XLA_FLAGS / JAX_PLATFORMS, the GPU
     machines' settings (NVLink multicast off, no XLA preallocation), the repository (and extra_paths) on PYTHONPATH,

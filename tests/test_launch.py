@@ -19,19 +19,14 @@ import pytest
 
 from jax_ep import launch
 from jax_ep.launch import cli, join
+from helpers import cpu_child_env  # tests/ is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 def child_env(**extra):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update({k: v for k, v in extra.items() if v is not None})
-    return env
+    return cpu_child_env(**extra)
 
 
 def run_launcher(args, timeout=120, cwd=ROOT, **env):

@@ -16,19 +16,14 @@ import pytest
 from jax_ep import launch
 from jax_ep.launch import env as E
 from jax_ep.launch.plan import Hosts, PlanError, child_envs, first_host, free_port, resolve_hosts
+from helpers import cpu_child_env  # tests/ is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 def child_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.pop("XLA_FLAGS", None)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
+    return cpu_child_env(drop_slurm=True, **extra)
 
 
 def show(outs):

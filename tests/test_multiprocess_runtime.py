@@ -17,6 +17,7 @@ import jax_ep
 from jax_ep import config
 from jax_ep.runtime import agreement, nvshmem, nvshmem_env, teams
 from jax_ep.errors import EPError
+from helpers import cpu_child_env  # tests/ is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP = os.path.join(ROOT, "tests", "programs", "cpu")
@@ -259,13 +260,8 @@ def test_fingerprint_of_a_cpu_mesh():
 # agreement across real processes (CPU, reference backend)
 # ---------------------------------------------------------------------------------------------------------
 def _launch(case, timeout=120):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     p = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--no-gpu-pinning", "--timeout", "90",
-                        os.path.join(MP, "init_agreement.py"), "--case", case], cwd=ROOT, env=env,
+                        os.path.join(MP, "init_agreement.py"), "--case", case], cwd=ROOT, env=cpu_child_env(),
                        capture_output=True, text=True, timeout=timeout)
     lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[rank (\d)\] RESULT \w+ process=\d (.*)$",
                                                               p.stdout, re.M)}

@@ -8,18 +8,15 @@ import time
 
 import pytest
 
+from helpers import cpu_child_env  # tests/ is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
 def launch(args, timeout=240):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.run([sys.executable, "-m", "jax_ep.launch"] + args, cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch"] + args, cwd=ROOT, env=cpu_child_env(),
+                       capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
 
