@@ -35,6 +35,8 @@ steps:
   low-latency-ab     low-latency bench of the tree in OLD, then of this one, each built, at EP2 with --nvl 8 and 1
   shared-gpu         groups larger than the GPUs (launch --processes-per-gpu) under the CUDA MPS daemon (started as
                      a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
+  shared-gpu-bench   the per-op fixed cost (T=1, jax_ep only, nodes of 8) of each of BENCH_MODES for groups of
+                     SHARED_RANKS ranks under MPS (ranks / GPUs processes per GPU; at most 16 per GPU run reliably)
   first-call         python3 -m jax_ep.bench.first_call, one process and one per GPU: eager, lazy, then eager with
                      CUDA_MODULE_LOADING=EAGER and with command buffers off. WARMUP_AB=1 instead: eager with
                      warm-up ops on and off (--no-warmup-ops), XLA preallocation off and on (fraction 0.5)
@@ -55,7 +57,7 @@ variables (default):
   BENCH_MODES (low_latency normal)  LOW_LATENCY_TOKENS (1,32,128)  TOKENS (4096, normal mode)  PUT_SWEEP (none)
   REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
   OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)
-  SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
+  SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  SHARED_RANKS (16 32; 64 on 4 GPUs)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
 e.g.  scripts/gpu.sh check;  N=4 SAN_PROGRAMS=normal JAX_EP_SANITIZE_NVL=2 scripts/gpu.sh sanitize
 EOF
 }
@@ -227,18 +229,39 @@ step_low_latency_ab() {
   BUILT=  # the tree installed last may be OLD's
 }
 MPS=
-stop_mps() { [ -z "$MPS" ] || run "mps stop" 30 sh -c 'echo quit | "$0"' "$MPS"; MPS=; }
-step_shared_gpu() {
+stop_mps() {
+  [ -z "$MPS" ] || run "mps stop" 30 sh -c 'echo quit | "$0"' "$MPS"; MPS=
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+start_mps() {  # the CUDA MPS daemon as a user process (no GPU setting changes); MPS empty when there is none
   local ctl; ctl=$(command -v nvidia-cuda-mps-control) || { [ -n "$DRY" ] && ctl=nvidia-cuda-mps-control; }
-  note "mps control: ${ctl:-none (the tests skip)}"
+  note "mps control: ${ctl:-none}"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/jax_ep_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/jax_ep_mps_log
   if [ -n "$ctl" ]; then
     [ -n "$DRY" ] || mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     run "mps start" 30 "$ctl" -d && MPS=$ctl
   fi
+}
+step_shared_gpu() {
+  start_mps
   local DIGEST='^\$|RESULT (normal|low_latency|done) |FAILED' k=${SHARED_K:-larger_than_the_gpus}
   run shared "${SHARED_LIMIT:-500}" "${PYTEST[@]}" -s tests/gpu/test_multiprocess_cuda.py -k "$k"
-  DIGEST=; stop_mps; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  DIGEST=; stop_mps
+}
+step_shared_gpu_bench() {  # the per-op fixed cost (T=1) as R grows: groups of SHARED_RANKS ranks under MPS
+  local r gpus per mode DIGEST=$RANK0_RE PREFIX=
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$gpus" -gt 0 ] 2>/dev/null || gpus=$N
+  start_mps
+  for r in ${SHARED_RANKS:-16 32}; do
+    per=$(( (r + gpus - 1) / gpus ))
+    for mode in ${BENCH_MODES:-low_latency normal}; do
+      PREFIX="ep$r ($per per GPU) $mode: "
+      run "ep$r $mode" 240 "$PY" -m jax_ep.launch -n "$r" --processes-per-gpu "$per" --timeout 230 -m jax_ep.bench \
+        --mode "$mode" --tokens 1 --ll-tokens 1 --experts 256 --only jax_ep --nvl 8 --loops 5 \
+        --out "$SCRATCH/shared_bench_ep${r}_$mode"
+    done
+  done
+  stop_mps
 }
 fc() {  # NAME ENV ARGS...: jax_ep.bench.first_call in one process, then one per GPU (FC_GPUS)
   local name=$1 env=$2; shift 2
@@ -273,7 +296,7 @@ for s in "$@"; do
   case $s in
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
-    low-latency-ratio|low-latency-ab|shared-gpu|first-call|cpu-suite) STEPS+=("$s") ;;
+    low-latency-ratio|low-latency-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite) STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac
 done
