@@ -25,14 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP = os.path.join(ROOT, "tests", "programs", "cpu")
 
 
-def child_env(**extra):
-    return cpu_child_env(**extra)
-
-
 def run_launcher(args, timeout=120, cwd=ROOT, **env):
     """Runs `python -m jax_ep.launch ARGS`; returns (returncode, stdout, stderr, seconds)."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "jax_ep.launch"] + list(args), cwd=cwd, env=child_env(**env),
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch"] + list(args), cwd=cwd, env=cpu_child_env(**env),
                        capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
@@ -118,7 +114,7 @@ def single_process_ep(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ep") / "single.npz")
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, os.path.join(MP, "ep_roundtrip.py"), "--local-devices", "4", "--out", path],
-                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=cpu_child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, "single-process run failed" + show(p.stdout, p.stderr)
     assert "process_model=single-process" in p.stdout, p.stdout
     print(f"single process, 4 devices: {time.monotonic() - t0:.1f} s")
@@ -198,7 +194,7 @@ def test_timeout_kills_everything():
 
 def _start_sleeping_launcher(n=2):
     p = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", str(n), os.path.join(MP, "echo_env.py"),
-                          "--sleep", "300"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                          "--sleep", "300"], cwd=ROOT, env=cpu_child_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     pids, deadline = [], time.monotonic() + 30
     while len(pids) < n and time.monotonic() < deadline:
@@ -364,7 +360,7 @@ def test_child_bootstrap_runs_like_python(mode, code, tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(PROG)
     p = subprocess.run([sys.executable, "-m", "jax_ep.launch.child", str(script), mode, "--x"], cwd=ROOT,
-                       env=child_env(), capture_output=True, text=True, timeout=60)
+                       env=cpu_child_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == code, show(p.stdout, p.stderr)
     assert f"argv ['{mode}', '--x'] __main__ True" in p.stdout, show(p.stdout, p.stderr)
     assert ("atexit ran" in p.stdout) == (code == 0), show(p.stdout, p.stderr)
@@ -378,7 +374,7 @@ def test_child_bootstrap_runs_like_python(mode, code, tmp_path):
 
 
 def test_child_bootstrap_usage():
-    p = subprocess.run([sys.executable, "-m", "jax_ep.launch.child", "--no-join", "-m"], cwd=ROOT, env=child_env(),
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch.child", "--no-join", "-m"], cwd=ROOT, env=cpu_child_env(),
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "usage: python -m jax_ep.launch.child" in p.stderr, show(p.stdout, p.stderr)
 

@@ -81,8 +81,8 @@ def _program(cfg, mesh):
 
 @pytest.mark.parametrize("mode", ["per_expert", "per_rank"])
 def test_low_latency_at_large_tokens_with_busy_gpus(mode):
+    require(2)
     R = upto(4)
-    require(max(R, 2))
     torch = _torch_cuda()
     mesh = Mesh(np.array(jax.devices("gpu")[:R]), ("ep",))
     cfg = jax_ep.EPConfig(E, H, K, T_MAX, backend="cuda", timeout_seconds=20.0, low_latency_mode=mode,
