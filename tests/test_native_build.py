@@ -76,7 +76,7 @@ def test_state_types_are_registrable_pairs():
 # ---- staging arithmetic, checked against numbers written out by hand -----------------------------------------------
 # Normal region (staging_layout.h), hidden=128, num_topk=2, T_max=4, R=2, capacity=10, E=8:
 #   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
-#   signals  align256(12288 + 4 * (R*R + E + 4R + 4) = 12384) = 12544
+#   signals  align256(align16(12288 + 4 * (R*R + E + 4R + 4)) = 12384 + R * 64 receive targets) = 12544
 #   payload  align256(10 * 4*128 = 5120)                    = 5120
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
 #   total = 12544 + 5120 + 1024 = 18688
@@ -95,10 +95,11 @@ def test_normal_buffer_bytes_by_hand():
     # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
     assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 12544 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
-    #   signals align256(12288 + 4*(16 + 256 + 16 + 4)) = 13568; payload 16384*28672 = 469762048;
+    #   signals: receive targets at align16(12288 + 4*(16 + 256 + 16 + 4)) = 13456, 4 * 64 bytes of them,
+    #   align256(13712) = 13824; payload 16384*28672 = 469762048;
     #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
-        13568 + 469762048 + 3670016 + 1048576 + 65536)
+        13824 + 469762048 + 3670016 + 1048576 + 65536)
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():

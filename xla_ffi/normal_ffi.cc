@@ -13,6 +13,7 @@
 
 #include "attrs.h"
 #include "checks.h"
+#include "direct_receive.h"
 #include "errors.h"
 #include "jax_ep/api.h"
 #include "jax_ep/constants.h"
@@ -39,7 +40,9 @@ using normal::CombineParams;
 using normal::DispatchParams;
 
 // Resolves the call site on this device and lays out this call's config (capacity C) in the normal region.
-ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupCtx* g, int32_t* sm_count) {
+// view (optional): the group as this device resolved it (GroupDeviceView::in_process, device_mask).
+ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupCtx* g, int32_t* sm_count,
+                          const GroupDeviceView** view = nullptr) {
   const char* target = st->target();
   const Resolved* r = nullptr;
   if (auto e = st->resolve(ordinal, &r); !e.success()) return e;
@@ -53,6 +56,7 @@ ffi::Error make_group_ctx(OpState* st, int32_t ordinal, int64_t capacity, GroupC
   *g = st->group_ctx(*r);
   g->layout = layout;
   *sm_count = r->view.sm_count;
+  if (view != nullptr) *view = &r->view;
   return ffi::Error::Success();
 }
 
@@ -77,7 +81,8 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     const int64_t C = recv_x->dimensions().size() == 2 ? recv_x->dimensions()[0] : -1;
     GroupCtx g{};
     int32_t sm_count = 0;
-    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count); !e.success()) return e;
+    const GroupDeviceView* view = nullptr;
+    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count, &view); !e.success()) return e;
     const int64_t R = g.num_ranks, K = num_topk, L = num_experts / R;
     const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
     JAX_EP_CHECK(kDispatch, fp8 || x.element_type() == ffi::DataType::BF16, "x must be bfloat16 or float8_e4m3fn");
@@ -129,6 +134,13 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     p.num_sms = num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kDispatch, s);
+    // Direct receive: the NVLink kernels (no rank behind NVSHMEM) of a group in this process, whose peers can
+    // address these outputs (normal_params.h: RecvTargets).
+    p.direct_receive = view->in_process && !g.remote.any() && direct_receive::enabled() &&
+                       direct_receive::peer_addressable({p.recv_x, p.recv_x_scales, p.recv_topk_idx,
+                                                         p.recv_topk_weights, p.recv_src_idx, p.recv_src_rank},
+                                                        view->device_mask);
+    if (p.direct_receive) direct_receive::count_call();
     if (test_hooks::skip_launch(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kDispatch, normal::launch_dispatch(p, stream));
   });

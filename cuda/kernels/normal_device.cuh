@@ -132,27 +132,55 @@ __device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int3
   }
 }
 
-// Stores token t (row, scales, top-k ids and weights, source index) into staging row rows[d] of every rank
-// first + d with rows[d] >= 0, through g.peers.base[first + d]: one warp, 16-byte vectors, each loaded once and
-// stored to every destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries
-// (token_rows of the same first).
-template <int kSlots>
-__device__ __forceinline__ void store_token(const SendArgs& a, int t, int first, const int32_t* rows) {
-  const GroupCtx& g = a.g;
+// A rank's RecvTargets entry (peer-written: L1-bypassing loads) into `out`; one thread.
+__device__ __forceinline__ void load_recv_targets(const char* entry, RecvTargets* out) {
+  static_assert(sizeof(RecvTargets) % 16 == 0, "loaded as 16-byte vectors");
+  const int4* src = reinterpret_cast<const int4*>(entry);
+  int4* dst = reinterpret_cast<int4*>(out);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(RecvTargets) / 16); ++i) dst[i] = ld_cg_v4(src + i);
+}
+
+// The arrays one destination's rows of a token go to: its staging regions, or the outputs it published (direct
+// receive); row r of each array belongs to received row r either way.
+struct RowDest {
+  char* rows;
+  float* scales;
+  int32_t* topk_idx;
+  float* weights;
+  int32_t* src_idx;
+  int32_t* src_rank;  // direct receive only (the copy-out writes it otherwise)
+};
+
+__device__ __forceinline__ RowDest row_dest(const GroupCtx& g, int q, const RecvTargets* target) {
+  if (target != nullptr && target->rows != nullptr)
+    return {target->rows, target->scales, target->topk_idx, target->weights, target->src_idx, target->src_rank};
   const BufferLayout& B = g.layout;
+  char* base = g.peers.base[q];
+  return {base + B.payload, reinterpret_cast<float*>(base + B.scales), reinterpret_cast<int32_t*>(base + B.topk_idx),
+          reinterpret_cast<float*>(base + B.topk_weights), reinterpret_cast<int32_t*>(base + B.src_idx), nullptr};
+}
+
+// Stores token t (row, scales, top-k ids and weights, source index) into row rows[d] of every rank first + d with
+// rows[d] >= 0: its staging through g.peers.base[first + d], or with targets != nullptr (direct receive, first = 0)
+// the outputs targets[d] names where it names any. One warp, 16-byte vectors, each loaded once and stored to every
+// destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows of
+// the same first).
+template <int kSlots>
+__device__ __forceinline__ void store_token(const SendArgs& a, int t, int first, const int32_t* rows,
+                                            const RecvTargets* targets = nullptr) {
+  const GroupCtx& g = a.g;
   const int lane = lane_id();
+  auto dest = [&](int d) { return row_dest(g, first + d, targets != nullptr ? targets + d : nullptr); };
   fan_out_row<kSlots>(reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes), a.row_bytes / 16,
                       rows, [&](int d) {
-                        return reinterpret_cast<int4*>(g.peers.base[first + d] + B.payload +
-                                                       static_cast<int64_t>(rows[d]) * a.row_bytes);
+                        return reinterpret_cast<int4*>(dest(d).rows + static_cast<int64_t>(rows[d]) * a.row_bytes);
                       });
   for (int j = lane; j < a.scale_cols; j += 32) {
     const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
 #pragma unroll
     for (int d = 0; d < kSlots; ++d)
-      if (rows[d] >= 0)
-        reinterpret_cast<float*>(g.peers.base[first + d] + B.scales)[static_cast<int64_t>(rows[d]) * a.scale_cols + j] =
-            s;
+      if (rows[d] >= 0) dest(d).scales[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
   }
   if (lane < a.num_weights) {
     const int k = lane, K = a.num_weights;
@@ -163,14 +191,19 @@ __device__ __forceinline__ void store_token(const SendArgs& a, int t, int first,
       float w;
       local_entry(a, t, k, first + d, &id, &w);
       const int64_t at = static_cast<int64_t>(rows[d]) * K + k;
-      if (a.topk_idx != nullptr) reinterpret_cast<int32_t*>(g.peers.base[first + d] + B.topk_idx)[at] = id;
-      reinterpret_cast<float*>(g.peers.base[first + d] + B.topk_weights)[at] = w;
+      const RowDest to = dest(d);
+      if (a.topk_idx != nullptr) to.topk_idx[at] = id;
+      to.weights[at] = w;
     }
   }
   if (a.write_src_idx && lane == 0) {
 #pragma unroll
-    for (int d = 0; d < kSlots; ++d)
-      if (rows[d] >= 0) reinterpret_cast<int32_t*>(g.peers.base[first + d] + B.src_idx)[rows[d]] = t;
+    for (int d = 0; d < kSlots; ++d) {
+      if (rows[d] < 0) continue;
+      const RowDest to = dest(d);
+      to.src_idx[rows[d]] = t;
+      if (to.src_rank != nullptr) to.src_rank[rows[d]] = g.rank;
+    }
   }
 }
 

@@ -65,6 +65,20 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
     const int d = i / L, l = i % L;
     reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.expert_counts)[me * L + l] = s_expert[d * L + l];
   }
+  // My receive targets into every rank's recv_targets[me] (zero when my rows go through staging): written every
+  // op, ordered before the count signal below like the counts.
+  for (int d = tid; d < R; d += blockDim.x) {
+    RecvTargets t{};
+    if (p.direct_receive) {
+      t.rows = static_cast<char*>(p.recv_x);
+      t.scales = p.recv_x_scales;
+      t.topk_idx = p.recv_topk_idx;
+      t.weights = p.recv_topk_weights;
+      t.src_idx = p.recv_src_idx;
+      t.src_rank = p.recv_src_rank;
+    }
+    *reinterpret_cast<RecvTargets*>(peer_base(g, d) + g.layout.recv_targets + me * kRecvTargetBytes) = t;
+  }
   __syncthreads();
   for (int d = tid; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kCountFlag, epoch);
   for (int s = tid; s < R; s += blockDim.x) wait_peer(g, s, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
@@ -76,19 +90,29 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
 // ---------------------------------------------------------------------------------------------------------------
 // Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
 // every destination of the token (normal_device.cuh).
+// With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows there.
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_constant__ SendArgs a) {
+  __shared__ RecvTargets s_targets[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
   const uint32_t epoch = current_epoch(a.g);
+  if (a.direct) {
+    // written by the peers before their count signals, which this op's notify waited for
+    const char* self = self_base(a.g);
+    for (int d = threadIdx.x; d < a.g.num_ranks; d += blockDim.x)
+      load_recv_targets(self + a.g.layout.recv_targets + d * kRecvTargetBytes, &s_targets[d]);
+    __syncthreads();
+  }
   for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
-    int32_t rows[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+    int32_t rows[kMaxNvlPeers];
     token_rows<kMaxNvlPeers>(a, t, 0, rows);
-    store_token<kMaxNvlPeers>(a, t, 0, rows);
+    store_token<kMaxNvlPeers>(a, t, 0, rows, a.direct ? s_targets : nullptr);
   }
   finish_and_signal_data(a.g, epoch);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Copy-out (dispatch and cached dispatch), after wait_data_kernel: copies staging rows [0, min(n, C))
-// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C).
+// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C). Direct receive (the senders wrote
+// rows [0, min(n, C)) into the outputs): the padding only.
 struct RecvArgs {
   GroupCtx g;
   const int32_t* recv_rank_counts;  // [R]
@@ -102,6 +126,7 @@ struct RecvArgs {
   int32_t num_weights;
   int32_t* out_src_idx;             // [C] or nullptr
   int32_t* out_src_rank;            // [C] or nullptr
+  bool direct;                      // this rank published its outputs as RecvTargets this op
 };
 
 __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
@@ -118,7 +143,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
   const char* self = self_base(g);
   const int n16 = a.row_bytes / 16;
 
-  for (int row = global_warp(); row < a.capacity; row += num_global_warps()) {
+  for (int row = (a.direct ? valid_rows : 0) + global_warp(); row < a.capacity; row += num_global_warps()) {
     const bool valid = row < valid_rows;
     int32_t s = -1;  // the row's source rank
     if (valid)
@@ -374,6 +399,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   s.capacity = p.capacity;
   s.experts_per_rank = p.num_experts / p.g.num_ranks;
   s.write_src_idx = true;
+  s.direct = ops == nullptr;  // the NVSHMEM kernels neither publish nor read RecvTargets
 
   RecvArgs r{};
   r.g = p.g;
@@ -388,6 +414,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.num_weights = p.num_topk;
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
+  r.direct = ops == nullptr && p.direct_receive;
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -27,7 +28,7 @@ import jax_ep  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .contenders import low_latency_contenders, normal_contenders  # noqa: E402
-from .harness import time_op  # noqa: E402
+from .harness import measure, prepare_op  # noqa: E402
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -57,7 +58,10 @@ def parse_args(argv, on_gpu):
     p.add_argument("--ll-experts", type=int, default=288 if on_gpu else 32, help="E of the low-latency configs (default 288 on GPUs, 32 on CPU)")
     p.add_argument("--ranks", type=int, default=None, help="EP size (default: all devices)")
     p.add_argument("--calls", type=int, default=20, help="chained calls per timed loop (N >= 20)")
-    p.add_argument("--loops", type=int, default=5, help="timed loops; the median is reported")
+    p.add_argument("--loops", type=int, default=5, help="timed loops per round; the median is reported")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds: every contender of a sweep is timed once per round, in turn (interleaved); the "
+                        "table gives the median of the rounds and, for ratios, their median with min-max")
     p.add_argument("--num-sms", type=int, default=24, help="EPConfig.num_sms of the normal-mode kernels")
     p.add_argument("--nvl", type=int, default=8,
                    help="EPConfig.num_max_nvl_peers; below the EP size the low-latency ops run the NVSHMEM kernels "
@@ -119,43 +123,68 @@ def main(argv=None):
                                            backend=args.backend, num_sms=args.num_sms, with_ragged=with_ragged,
                                            ll_mode=ll_mode, nvl=args.nvl)
         cases = [c for c in cases if not only or any(s in c.name for s in only)]
-        for i, case in enumerate(cases):
-            print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
-            t0 = time.perf_counter()
-            try:
-                try:
-                    timing = time_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
-                                     num_calls=args.calls, loops=args.loops, first_call=case.first_call)
-                except Exception as e:
-                    if "RESOURCE_EXHAUSTED" not in str(e):
-                        raise
-                    # N unrolled calls keep N sets of buffers alive; a rolled loop needs one (and pays XLA's
-                    # per-iteration host round trip, ~50 us: negligible for the ops that big)
-                    print("    out of memory unrolled; timing a rolled loop instead", flush=True)
-                    case.name += " (rolled loop)"
-                    timing = time_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
-                                     num_calls=args.calls, loops=args.loops, first_call=case.first_call,
-                                     unroll=False)
-            except Exception as e:  # a baseline XLA cannot run is reported, not fatal
-                print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                results.append(dict(mode=mode, tokens=tokens, name=case.name, kind=case.kind, error=str(e)[:500]))
-                continue
-            gbps = case.bytes_received / timing.seconds / 1e9
-            results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
-                                nvl=args.nvl,
-                                ranks=len(devices), name=case.name, kind=case.kind, op=case.op_kind,
-                                us=timing.seconds * 1e6, gbps=gbps, spread=timing.spread,
-                                first_call_us=None if timing.first_call is None else timing.first_call * 1e6,
-                                single_call_us=None if timing.single_call is None else timing.single_call * 1e6,
-                                bytes_received=case.bytes_received))
-            print(f"    {timing.seconds * 1e6:9.1f} us  {gbps:7.1f} GB/s  (spread {timing.spread:.0%}, "
-                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+        results += _time_cases(cases, mode, tokens, experts, args)
     if gpus and args.mode in ("low_latency", "all") and not only:
         results += low_latency_phases(devices, args, rng)
     print_table(results)
     if pid == 0:
         write_outputs(results, args, machine, model)
     return 0
+
+
+def _prepare(case, args):
+    """The case's compiled loop (harness.prepare_op), rolled when the unrolled loop runs out of memory."""
+    try:
+        return prepare_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
+                          num_calls=args.calls, loops=args.loops, first_call=case.first_call)
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # N unrolled calls keep N sets of buffers alive; a rolled loop needs one (and pays XLA's per-iteration host
+        # round trip, ~50 us: negligible for the ops that big)
+        print("    out of memory unrolled; timing a rolled loop instead", flush=True)
+        case.name += " (rolled loop)"
+        return prepare_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
+                          num_calls=args.calls, loops=args.loops, first_call=case.first_call, unroll=False)
+
+
+def _time_cases(cases, mode, tokens, experts, args):
+    """Every case of one sweep compiled first, then timed in `args.repeat` rounds, each round timing every case in
+    turn (`args.loops` loops each): contenders interleaved, so drift between rounds hits all of them alike. A case's
+    time is the median of its rounds' medians; reps_us keeps each round's."""
+    prepared, results = [], []
+    for i, case in enumerate(cases):
+        print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            with case.setting():  # e.g. direct receive off for a staged variant
+                prepared.append((case, _prepare(case, args), []))
+        except Exception as e:  # a baseline XLA cannot run is reported, not fatal
+            print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            results.append(dict(mode=mode, tokens=tokens, name=case.name, kind=case.kind, error=str(e)[:500]))
+            continue
+        print(f"    compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for rep in range(args.repeat):
+        for case, prep, reps in prepared:
+            with case.setting():
+                samples = measure(prep, args.loops)
+            reps.append(statistics.median(samples))
+            spread = (max(samples) - min(samples)) / reps[-1]
+            prep.loop_spread = spread
+            print(f"[{mode} T={tokens}] round {rep + 1}/{args.repeat} {case.name}: {reps[-1] * 1e6:9.1f} us "
+                  f"(spread {spread:.0%})", flush=True)
+    for case, prep, reps in prepared:
+        us = statistics.median(reps) * 1e6
+        gbps = case.bytes_received / us / 1e3
+        # over the rounds; with one round, over its loops
+        spread = (max(reps) - min(reps)) / statistics.median(reps) if len(reps) > 1 else prep.loop_spread
+        results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
+                            nvl=args.nvl, ranks=case.mesh.devices.size, name=case.name, kind=case.kind,
+                            op=case.op_kind, us=us, gbps=gbps, spread=spread, reps_us=[r * 1e6 for r in reps],
+                            first_call_us=None if prep.first_call is None else prep.first_call * 1e6,
+                            single_call_us=None if prep.single_call is None else prep.single_call * 1e6,
+                            bytes_received=case.bytes_received))
+    return results
 
 
 def _initialize_all(sweeps, args, devices):
@@ -202,6 +231,15 @@ def low_latency_phases(devices, args, rng):
     return rows
 
 
+def _speedup(r, base):
+    """base time / r's time; with several rounds the median of the per-round ratios and their min-max."""
+    reps, base_reps = r.get("reps_us") or [], base.get("reps_us") or []
+    if len(reps) > 1 and len(reps) == len(base_reps):
+        ratios = sorted(b / x for b, x in zip(base_reps, reps))
+        return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    return f"{base['us'] / r['us']:.2f}x"
+
+
 def print_table(results):
     print("\n| mode | T | contender | op | time (us) | GB/s | x best JAX baseline | first call / steady |")
     print("|---|---|---|---|---|---|---|---|")
@@ -209,9 +247,9 @@ def print_table(results):
         if "error" in r:
             print(f"| {r['mode']} | {r['tokens']} | {r['name']} | | failed | | | |")
             continue
-        base = [b["us"] for b in results if b.get("kind") == "baseline" and "error" not in b
+        base = [b for b in results if b.get("kind") == "baseline" and "error" not in b
                 and b["mode"] == r["mode"] and b["tokens"] == r["tokens"] and b["op"] == r["op"]]
-        speedup = f"{min(base) / r['us']:.2f}x" if base and r["kind"] == "jax_ep" else ""
+        speedup = _speedup(r, min(base, key=lambda b: b["us"])) if base and r["kind"] == "jax_ep" else ""
         ratio = (f"{r['first_call_us'] / r['single_call_us']:.2f}" if r.get("first_call_us") and
                  r.get("single_call_us") else "")
         gbps = f"{r['gbps']:.1f}" if r.get("gbps") else ""

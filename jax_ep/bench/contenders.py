@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -31,6 +32,20 @@ class Case:
     bytes_received: float  # mean over ranks of the row bytes a rank receives
     feedback: Callable = feed_row
     first_call: bool = False
+    setting: Callable = contextlib.nullcontext  # a context the case is timed in
+
+
+@contextlib.contextmanager
+def staged_receive():
+    """Dispatch through staging and the copy-out (direct receive off) while the case is timed."""
+    from jax_ep import _native
+
+    native = _native.module()
+    native.set_direct_receive(False)
+    try:
+        yield
+    finally:
+        native.set_direct_receive(True)
 
 
 def deepep_routing(rng, ranks, tokens, experts, topk):
@@ -108,8 +123,16 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
              (spec,) * 4, fp8_bytes),
         Case("jax_ep combine bf16", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
              (spec,) * (1 + len(handle)), bf16_bytes, first_call=True),
-    ] + _padded_cases([("dispatch", x, bf16_bytes), ("dispatch fp8", q, fp8_bytes)], idx, experts, mesh, rng,
-                      bf16_bytes)
+    ]
+    if jax.default_backend() == "gpu" and cfg.backend != "reference":  # the same ops without direct receive
+        cases += [
+            Case("jax_ep dispatch bf16 staged", "jax_ep", "dispatch", ep_dispatch, (x, idx, w), mesh, (spec,) * 3,
+                 bf16_bytes, setting=staged_receive),
+            Case("jax_ep dispatch fp8 staged", "jax_ep", "dispatch fp8", ep_dispatch_fp8, (q, scales, idx, w), mesh,
+                 (spec,) * 4, fp8_bytes, setting=staged_receive),
+        ]
+    cases += _padded_cases([("dispatch", x, bf16_bytes), ("dispatch fp8", q, fp8_bytes)], idx, experts, mesh, rng,
+                           bf16_bytes)
     if with_ragged:
         capacity = ranks * tokens
 

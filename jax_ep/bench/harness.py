@@ -66,8 +66,22 @@ def to_global(a, mesh, spec):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
-            unroll=True) -> Timing:
+@dataclasses.dataclass
+class Prepared:
+    """A compiled chained loop of one op with its inputs, ready to be timed (measure), and its first-call figures."""
+    name: str
+    loop: Callable
+    args: tuple
+    num_calls: int
+    first_call: float | None
+    single_call: float | None
+    loop_spread: float | None = None  # (max - min) / median of the last measured loops
+
+
+def prepare_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
+               unroll=True) -> Prepared:
+    """Compiles the chained loop and runs it once (warm-up); with first_call, first times a one-call program's first
+    execution and the median of `loops` later ones."""
     args = tuple(to_global(a, mesh, s) for a, s in zip(args, in_specs))
     first = steady_single = None
     if first_call:  # one call, compiled ahead: the first execution's latency (compile excluded)
@@ -83,10 +97,23 @@ def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loo
         steady_single = statistics.median(single_times)
     loop = chained_loop(op, num_calls, mesh, in_specs, feedback, unroll).lower(*args).compile()
     jax.block_until_ready(loop(*args))  # warm-up
+    return Prepared(name, loop, args, num_calls, first, steady_single)
+
+
+def measure(prep: Prepared, loops: int) -> list[float]:
+    """Seconds per call of each of `loops` runs of the prepared loop."""
     samples = []
     for _ in range(loops):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        samples.append((time.perf_counter() - t0) / num_calls)
+        jax.block_until_ready(prep.loop(*prep.args))
+        samples.append((time.perf_counter() - t0) / prep.num_calls)
+    return samples
+
+
+def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
+            unroll=True) -> Timing:
+    prep = prepare_op(name, op, args, mesh, in_specs, feedback, num_calls, loops, first_call, unroll)
+    samples = measure(prep, loops)
     med = statistics.median(samples)
-    return Timing(name, med, (max(samples) - min(samples)) / med, first, steady_single, loops, num_calls)
+    return Timing(name, med, (max(samples) - min(samples)) / med, prep.first_call, prep.single_call, loops,
+                  num_calls)

@@ -8,6 +8,22 @@
 
 namespace jax_ep::normal {
 
+// Direct receive (one process, NVLink kernels): a receiver's dispatch outputs as every device of the process
+// addresses them. Each dispatch's notify writes its own into every rank's recv_targets[me] before the count signal;
+// senders then store rows, scales, ids, weights, source index and source rank straight into these buffers instead
+// of the receiver's staging, and the receiver's copy-out only writes the padding rows. rows == nullptr: this
+// receiver takes its rows through staging (its outputs are not peer-addressable, or the path is off).
+struct RecvTargets {
+  char* rows;          // recv_x [C, row_bytes]
+  float* scales;       // recv_x_scales [C, S], nullptr for bf16
+  int32_t* topk_idx;   // recv_topk_idx [C, K]
+  float* weights;      // recv_topk_weights [C, K]
+  int32_t* src_idx;    // recv_src_idx [C]
+  int32_t* src_rank;   // recv_src_rank [C]
+  int64_t unused[2];
+};
+static_assert(sizeof(RecvTargets) == kRecvTargetBytes, "one RecvTargets per rank in BufferLayout::recv_targets");
+
 // Dispatch: layout + count exchange + direct-addressed row writes + local copy-out.
 struct DispatchParams {
   GroupCtx g;
@@ -34,6 +50,7 @@ struct DispatchParams {
   int32_t scale_cols;                   // S (0 for bf16)
   int32_t num_sms;                      // blocks of the NVLink-sending kernel
   int32_t copy_blocks;                  // blocks of the local copy-out kernel
+  bool direct_receive;                  // publish the outputs as this rank's RecvTargets (NVLink kernels only)
 };
 
 // Cached dispatch: rows along the routes of an earlier dispatch's handle (no count exchange).
@@ -97,6 +114,7 @@ struct SendArgs {
   int32_t capacity;
   int32_t experts_per_rank;        // L (dispatch)
   bool write_src_idx;              // dispatch: the source token index of every row
+  bool direct;                     // dispatch (NVLink kernels): destinations' RecvTargets are published this op
 };
 
 }  // namespace jax_ep::normal

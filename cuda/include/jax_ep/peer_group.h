@@ -39,6 +39,11 @@ struct GroupDeviceView {
   int64_t buffer_bytes = 0;
   int32_t sm_count = 0;
   int32_t pe[kMaxGroupRanks];  // GroupInfo::pes, -1 when not given
+  // in_process: every rank's device belongs to this process, with peer access enabled between all of them
+  // (create_group), so any cudaMalloc'd memory of one is addressable by the others; device_mask: bit o set for the
+  // CUDA ordinal o of every rank (ordinals < 64; 0 for external groups)
+  bool in_process = false;
+  uint64_t device_mask = 0;
 
   GroupDeviceView() {
     for (int32_t& p : pe) p = -1;

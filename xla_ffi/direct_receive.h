@@ -1,0 +1,44 @@
+// Direct receive of normal-mode dispatch (normal_params.h: RecvTargets): whether this call's outputs may be written
+// by the peers' send kernels, and the process-wide switch.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+namespace jax_ep::direct_receive {
+
+// On by default; JAX_EP_DIRECT_RECEIVE=0 in the environment (read once) or set_enabled(false) turns it off: every
+// dispatch then receives through staging and the copy-out.
+bool enabled();
+void set_enabled(bool on);
+
+// True when every non-null pointer lies in an allocation that the devices of `device_mask` (bit o: CUDA ordinal o)
+// can read and write through their own mappings:
+//   - a cudaMalloc / cuMemAlloc allocation: peer access, which create_group enabled between the group's devices,
+//     covers it;
+//   - a virtual-memory mapping (cuMemCreate + cuMemMap, what XLA's allocator gives on CUDA 12+): cuMemGetAccess
+//     says read-write for every device of the mask (XLA grants its devices access to each other's mappings);
+//   - anything else (stream-ordered pools, unknown): false.
+// Asks the driver once per mapping and caches the answer by address range.
+// INVARIANT: an address range, once found addressable, stays so while the process runs: XLA's allocator keeps its
+// mappings, and maps anew with the same access. A process that remaps such a range without peer access must turn
+// direct receive off (set_enabled(false) / JAX_EP_DIRECT_RECEIVE=0).
+bool peer_addressable(std::initializer_list<const void*> ptrs, uint64_t device_mask);
+
+// What the driver says of the allocation holding `ptr` (diagnostics: why a call did not take direct receive).
+struct PointerFacts {
+  int query_result = -1;   // CUresult of cuPointerGetAttributes; -1: the entry point was not found
+  int legacy_ipc = 0;      // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: a cudaMalloc / cuMemAlloc allocation
+  bool from_pool = false;  // CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE != nullptr
+  unsigned long long range_start = 0, range_size = 0;
+  int device = -1;         // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+  // cuMemGetAccess for devices 0..7 (CU_MEM_ACCESS_FLAGS_PROT_*: 3 = read-write), -1 where the driver refused
+  int access[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+};
+PointerFacts describe(const void* ptr);
+
+// Dispatch calls that took direct receive, over every device of this process (tests).
+int64_t calls();
+void count_call();
+
+}  // namespace jax_ep::direct_receive
