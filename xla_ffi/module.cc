@@ -18,7 +18,7 @@
 #include "jax_ep/peer_group.h"
 #include "jax_ep/nvshmem_ops.h"
 #include "jax_ep/staging_layout.h"
-#include "direct_receive.h"
+#include "direct_buffers.h"
 #include "op_state.h"
 #include "registry.h"
 #include "test_hooks.h"
@@ -275,17 +275,17 @@ NB_MODULE(_jax_ep_native, m) {
   m.def("launching_handler_calls", []() { return jax_ep::test_hooks::launching_calls().load(); },
         "Calls of jax_ep's kernel-launching FFI handlers in this process, every device: a count that stops growing "
         "while steps run means XLA replays them from a command buffer (CUDA graph).");
-  m.def("direct_receive_calls", []() { return jax_ep::direct_receive::calls(); },
-        "Normal-mode dispatch calls in this process (every device) whose senders wrote straight into the outputs "
-        "(direct receive) instead of staging.");
-  m.def("set_direct_receive", [](bool on) { jax_ep::direct_receive::set_enabled(on); }, nb::arg("on"),
-        "Turns direct receive on or off for later dispatch calls of this process (default on; "
-        "JAX_EP_DIRECT_RECEIVE=0 starts it off). A call recorded in a command buffer keeps what it was recorded with.");
+  m.def("direct_buffer_calls", []() { return jax_ep::direct_buffers::calls(); },
+        "Normal-mode dispatch and combine calls in this process (every device) that used direct buffers: dispatch's "
+        "senders wrote into this rank's outputs, combine's peers read its inputs (no staging).");
+  m.def("set_direct_buffers", [](bool on) { jax_ep::direct_buffers::set_enabled(on); }, nb::arg("on"),
+        "Turns direct buffers on or off for later dispatch and combine calls of this process (default on; "
+        "JAX_EP_DIRECT_BUFFERS=0 starts it off). A call recorded in a command buffer keeps what it was recorded with.");
   m.def(
       "pointer_facts",
       [](uintptr_t ptr) {
-        const jax_ep::direct_receive::PointerFacts f =
-            jax_ep::direct_receive::describe(reinterpret_cast<const void*>(ptr));
+        const jax_ep::direct_buffers::PointerFacts f =
+            jax_ep::direct_buffers::describe(reinterpret_cast<const void*>(ptr));
         nb::dict d;
         d["query_result"] = f.query_result;
         d["legacy_ipc"] = f.legacy_ipc;
@@ -300,7 +300,7 @@ NB_MODULE(_jax_ep_native, m) {
       },
       nb::arg("ptr"),
       "What the CUDA driver says of the allocation holding a device pointer (e.g. a jax.Array's "
-      "unsafe_buffer_pointer()): whether direct receive can write into it (legacy_ipc 1, not from a pool).");
+      "unsafe_buffer_pointer()): whether direct buffers can use it (legacy_ipc 1, not from a pool).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },
         "(major, minor) of the XLA FFI headers this module was compiled against; XLA rejects handlers newer than "

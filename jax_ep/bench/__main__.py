@@ -157,7 +157,7 @@ def _time_cases(cases, mode, tokens, experts, args):
         print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            with case.setting():  # e.g. direct receive off for a staged variant
+            with case.setting():  # e.g. direct buffers off for a staged variant
                 prepared.append((case, _prepare(case, args), []))
         except Exception as e:  # a baseline XLA cannot run is reported, not fatal
             print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

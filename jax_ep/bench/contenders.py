@@ -36,16 +36,17 @@ class Case:
 
 
 @contextlib.contextmanager
-def staged_receive():
-    """Dispatch through staging and the copy-out (direct receive off) while the case is timed."""
+def staged():
+    """Direct buffers off while the case is timed: dispatch receives through staging and the copy-out, combine sends
+    its rows back into staging (the path of one process per GPU)."""
     from jax_ep import _native
 
     native = _native.module()
-    native.set_direct_receive(False)
+    native.set_direct_buffers(False)
     try:
         yield
     finally:
-        native.set_direct_receive(True)
+        native.set_direct_buffers(True)
 
 
 def deepep_routing(rng, ranks, tokens, experts, topk):
@@ -124,12 +125,14 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
         Case("jax_ep combine bf16", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
              (spec,) * (1 + len(handle)), bf16_bytes, first_call=True),
     ]
-    if jax.default_backend() == "gpu" and cfg.backend != "reference":  # the same ops without direct receive
+    if jax.default_backend() == "gpu" and cfg.backend != "reference":  # the same ops without direct buffers
         cases += [
             Case("jax_ep dispatch bf16 staged", "jax_ep", "dispatch", ep_dispatch, (x, idx, w), mesh, (spec,) * 3,
-                 bf16_bytes, setting=staged_receive),
+                 bf16_bytes, setting=staged),
             Case("jax_ep dispatch fp8 staged", "jax_ep", "dispatch fp8", ep_dispatch_fp8, (q, scales, idx, w), mesh,
-                 (spec,) * 4, fp8_bytes, setting=staged_receive),
+                 (spec,) * 4, fp8_bytes, setting=staged),
+            Case("jax_ep combine bf16 staged", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
+                 (spec,) * (1 + len(handle)), bf16_bytes, setting=staged),
         ]
     cases += _padded_cases([("dispatch", x, bf16_bytes), ("dispatch fp8", q, fp8_bytes)], idx, experts, mesh, rng,
                            bf16_bytes)

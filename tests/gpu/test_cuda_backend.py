@@ -154,9 +154,10 @@ def test_scan_200_calls_changing_routing():
     assert float(dy.max()) <= 2 ** -7  # one bf16 ulp of the largest value
 
 
-# Dispatch with direct receive (senders write into the receiver's outputs; XLA's default allocator is peer-addressable
-# in one process) and through staging + copy-out: both bit-identical to the reference, padding rows and capacity
-# overflow included; the native count says which path each call took.
+# Direct buffers (dispatch's senders write into the receiver's outputs, combine reads the peers' inputs; XLA's
+# allocator gives peer-addressable buffers in one process) and staging: both bit-identical to the reference, padding
+# rows, capacity overflow, f32 combine and combine without weights included; the native count says which path
+# each call took.
 DIRECT_CASES = [
     (2, 17, 32, 7168, 8, 16, "messy", None, False),
     (2, 17, 17, 7168, 8, 32, "skewed", 20, True),
@@ -167,7 +168,7 @@ DIRECT_CASES = [
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: "R{}-T{}-{}-C{}-{}".format(
     c[0], c[1], c[6], c[7], "fp8" if c[8] else "bf16"))
-def test_direct_receive_and_staging_match_reference(case, direct):
+def test_direct_buffers_and_staging_match_reference(case, direct):
     R, T, T_max, H, K, E, mode, cap, fp8 = case
     h.require(R)
     group = _group(R)
@@ -175,15 +176,15 @@ def test_direct_receive_and_staging_match_reference(case, direct):
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     x, s, idx, w = h.inputs(rng, R, T, H, K, E, mode, fp8)
     native = _native.module()
-    native.set_direct_receive(direct)
+    native.set_direct_buffers(direct)
     try:
-        before = native.direct_receive_calls()
+        before = native.direct_buffer_calls()
         res = h.run_case(group, cfg, R, x, s, idx, w)
-        direct_calls = native.direct_receive_calls() - before
+        direct_calls = native.direct_buffer_calls() - before
     finally:
-        native.set_direct_receive(True)
-    print(f"{case} direct={direct}: {direct_calls} dispatch calls took direct receive")
+        native.set_direct_buffers(True)
+    print(f"{case} direct={direct}: {direct_calls} calls used direct buffers")
     problems = h.compare(res)
     assert not problems, "\n".join(problems)
-    # run_case runs dispatch once per device
-    assert direct_calls == (R if direct else 0), direct_calls
+    # run_case: one dispatch and two combines (bf16 with weights, f32 without) per device; cached dispatch stages
+    assert direct_calls == (3 * R if direct else 0), direct_calls

@@ -1,4 +1,4 @@
-#include "direct_receive.h"
+#include "direct_buffers.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -9,12 +9,12 @@
 #include <mutex>
 #include <vector>
 
-namespace jax_ep::direct_receive {
+namespace jax_ep::direct_buffers {
 namespace {
 
 std::atomic<bool>& switch_state() {
   static std::atomic<bool> on{[] {
-    const char* v = std::getenv("JAX_EP_DIRECT_RECEIVE");
+    const char* v = std::getenv("JAX_EP_DIRECT_BUFFERS");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }()};
   return on;
@@ -128,4 +128,4 @@ bool peer_addressable(std::initializer_list<const void*> ptrs, uint64_t device_m
 int64_t calls() { return call_count().load(std::memory_order_relaxed); }
 void count_call() { call_count().fetch_add(1, std::memory_order_relaxed); }
 
-}  // namespace jax_ep::direct_receive
+}  // namespace jax_ep::direct_buffers

@@ -1,14 +1,16 @@
-// Direct receive of normal-mode dispatch (normal_params.h: RecvTargets): whether this call's outputs may be written
-// by the peers' send kernels, and the process-wide switch.
+// Direct buffers (one process, normal mode's NVLink kernels): the peers read and write this rank's XLA buffers
+// themselves. Dispatch's senders store into the receiver's outputs (direct receive, normal_params.h: RecvTargets);
+// combine's reducers read the peers' inputs (pull combine: CombineSource). Whether a call's buffers allow it, and
+// the process-wide switch.
 #pragma once
 
 #include <cstdint>
 #include <initializer_list>
 
-namespace jax_ep::direct_receive {
+namespace jax_ep::direct_buffers {
 
-// On by default; JAX_EP_DIRECT_RECEIVE=0 in the environment (read once) or set_enabled(false) turns it off: every
-// dispatch then receives through staging and the copy-out.
+// On by default; JAX_EP_DIRECT_BUFFERS=0 in the environment (read once) or set_enabled(false) turns it off: every
+// dispatch then receives through staging and the copy-out, every combine sends its rows back into staging.
 bool enabled();
 void set_enabled(bool on);
 
@@ -22,10 +24,10 @@ void set_enabled(bool on);
 // Asks the driver once per mapping and caches the answer by address range.
 // INVARIANT: an address range, once found addressable, stays so while the process runs: XLA's allocator keeps its
 // mappings, and maps anew with the same access. A process that remaps such a range without peer access must turn
-// direct receive off (set_enabled(false) / JAX_EP_DIRECT_RECEIVE=0).
+// direct buffers off (set_enabled(false) / JAX_EP_DIRECT_BUFFERS=0).
 bool peer_addressable(std::initializer_list<const void*> ptrs, uint64_t device_mask);
 
-// What the driver says of the allocation holding `ptr` (diagnostics: why a call did not take direct receive).
+// What the driver says of the allocation holding `ptr` (diagnostics: why a call did not use direct buffers).
 struct PointerFacts {
   int query_result = -1;   // CUresult of cuPointerGetAttributes; -1: the entry point was not found
   int legacy_ipc = 0;      // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: a cudaMalloc / cuMemAlloc allocation
@@ -37,8 +39,8 @@ struct PointerFacts {
 };
 PointerFacts describe(const void* ptr);
 
-// Dispatch calls that took direct receive, over every device of this process (tests).
+// Dispatch and combine calls that used direct buffers (published their buffers), every device of this process.
 int64_t calls();
 void count_call();
 
-}  // namespace jax_ep::direct_receive
+}  // namespace jax_ep::direct_buffers
