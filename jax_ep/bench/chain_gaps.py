@@ -133,7 +133,8 @@ def main(argv=None) -> int:
                 continue
             cargs = tuple(to_global(a, case.mesh, s) for a, s in zip(case.args, case.in_specs))
             loop = chained_loop(case.op, args.calls, case.mesh, case.in_specs, case.feedback).lower(*cargs).compile()
-            events = trace_events(loop, cargs, iterations=3)
+            with case.setting():  # e.g. direct buffers off for a staged variant
+                events = trace_events(loop, cargs, iterations=3)
             procs, _ = _names(events)
             durs, gaps, period = gap_report(device_ops(events, procs))
             print(f"\n[{mode} T={tokens} nvl={args.nvl}] {case.name}: period {period:.1f} us per call (send to send)")
