@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,28 @@ def test_bench_cli_small_cpu_run(tmp_path):
         assert r["us"] > 0 and r["gbps"] > 0 and r["ranks"] == 4, r
     assert data["meta"]["command"].startswith("python -m jax_ep.bench")
     assert "| mode | T | contender |" in proc.stdout
+
+
+def test_bench_cli_rounds_interleave_contenders(tmp_path):
+    # --repeat 2: every contender timed once per round, in turn; the time is the median of the rounds, ratios the
+    # median of the per-round ratios with min-max
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jax_ep.bench", "--mode", "normal", "--tokens", "8", "--hidden", "128",
+           "--experts", "8", "--topk", "2", "--calls", "2", "--loops", "1", "--repeat", "2",
+           "--only", "jax_ep dispatch bf16,all_to_all padded", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rounds = [line.split("]", 1)[1].split(":")[0].strip() for line in proc.stdout.splitlines()
+              if line.startswith("[normal T=8] round")]
+    names = [r.split(" ", 2)[2] for r in rounds]
+    per_round = len(names) // 2
+    assert per_round >= 2 and names[:per_round] == names[per_round:], rounds  # the same order in both rounds
+    assert [r.split(" ")[1] for r in rounds] == ["1/2"] * per_round + ["2/2"] * per_round, rounds
+    data = json.loads((tmp_path / "results.json").read_text())
+    for r in data["results"]:
+        assert len(r["reps_us"]) == 2 and min(r["reps_us"]) <= r["us"] <= max(r["reps_us"]), r
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| normal | 8 | jax_ep dispatch bf16 |"))
+    assert re.search(r"\| [0-9.]+x \([0-9.]+-[0-9.]+\) \|", row), row
 
 
 def test_bench_cli_one_process_per_device_group(tmp_path):
