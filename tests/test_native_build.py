@@ -297,9 +297,11 @@ def test_layout_rejects_bad_attrs():
 def test_direct_buffer_controls_and_pointer_facts():
     # the switch of docs/API.md "Direct buffers" round-trips, and an address no allocation holds is never taken for
     # a peer-addressable buffer (no driver here: query_result -1; with a GPU: no allocation range)
-    native.set_direct_buffers(False)
-    native.set_direct_buffers(True)
-    assert native.direct_buffer_calls() >= 0
+    was = native.direct_buffers_enabled()
+    native.set_direct_buffers(not was)
+    assert native.direct_buffers_enabled() == (not was)
+    native.set_direct_buffers(was)
+    assert native.direct_buffers_enabled() == was and native.direct_buffer_calls() >= 0
     facts = native.pointer_facts(0x1000)
     assert set(facts) == {"query_result", "legacy_ipc", "from_pool", "range_start", "range_size", "device", "access"}
     assert facts["legacy_ipc"] == 0 and facts["range_size"] == 0 and len(facts["access"]) == 8

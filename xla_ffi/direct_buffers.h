@@ -1,7 +1,6 @@
-// Direct buffers (one process, normal mode's NVLink kernels): the peers read and write this rank's XLA buffers
-// themselves. Dispatch's senders store into the receiver's outputs (direct receive, normal_params.h: RecvTargets);
-// combine's reducers read the peers' inputs (pull combine: CombineSource). Whether a call's buffers allow it, and
-// the process-wide switch.
+// Direct buffers (one process, normal mode's NVLink kernels): the peers write this rank's XLA buffers themselves.
+// Dispatch's senders store into the receiver's outputs (direct receive, normal_params.h: RecvTargets). Whether a
+// call's buffers allow it, and the process-wide switch.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +9,7 @@
 namespace jax_ep::direct_buffers {
 
 // On by default; JAX_EP_DIRECT_BUFFERS=0 in the environment (read once) or set_enabled(false) turns it off: every
-// dispatch then receives through staging and the copy-out, every combine sends its rows back into staging.
+// dispatch then receives through staging and the copy-out.
 bool enabled();
 void set_enabled(bool on);
 
@@ -39,7 +38,7 @@ struct PointerFacts {
 };
 PointerFacts describe(const void* ptr);
 
-// Dispatch and combine calls that used direct buffers (published their buffers), every device of this process.
+// Dispatch calls that used direct buffers (published their outputs), every device of this process.
 int64_t calls();
 void count_call();
 

@@ -276,10 +276,12 @@ NB_MODULE(_jax_ep_native, m) {
         "Calls of jax_ep's kernel-launching FFI handlers in this process, every device: a count that stops growing "
         "while steps run means XLA replays them from a command buffer (CUDA graph).");
   m.def("direct_buffer_calls", []() { return jax_ep::direct_buffers::calls(); },
-        "Normal-mode dispatch and combine calls in this process (every device) that used direct buffers: dispatch's "
-        "senders wrote into this rank's outputs, combine's peers read its inputs (no staging).");
+        "Normal-mode dispatch calls in this process (every device) that used direct buffers: the senders wrote "
+        "straight into the receiving rank's outputs (no staging).");
+  m.def("direct_buffers_enabled", []() { return jax_ep::direct_buffers::enabled(); },
+        "Whether direct buffers are on for later dispatch calls of this process.");
   m.def("set_direct_buffers", [](bool on) { jax_ep::direct_buffers::set_enabled(on); }, nb::arg("on"),
-        "Turns direct buffers on or off for later dispatch and combine calls of this process (default on; "
+        "Turns direct buffers on or off for later dispatch calls of this process (default on; "
         "JAX_EP_DIRECT_BUFFERS=0 starts it off). A call recorded in a command buffer keeps what it was recorded with.");
   m.def(
       "pointer_facts",
@@ -300,7 +302,8 @@ NB_MODULE(_jax_ep_native, m) {
       },
       nb::arg("ptr"),
       "What the CUDA driver says of the allocation holding a device pointer (e.g. a jax.Array's "
-      "unsafe_buffer_pointer()): whether direct buffers can use it (legacy_ipc 1, not from a pool).");
+      "unsafe_buffer_pointer()): direct buffers can use a cudaMalloc allocation (legacy_ipc 1) or a virtual-memory "
+      "mapping every device of the group may read and write (access 3 for each); never a pool (from_pool).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },
         "(major, minor) of the XLA FFI headers this module was compiled against; XLA rejects handlers newer than "

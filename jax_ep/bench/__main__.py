@@ -83,6 +83,8 @@ def parse_args(argv, on_gpu):
     if "nvshmem" in args.ll_modes and len(args.ll_modes) > 1:
         p.error("--ll-mode nvshmem runs alone (the configs of one mesh axis must agree on "
                 "allow_nvlink_for_low_latency)")
+    if args.repeat < 1 or args.loops < 1:
+        p.error(f"--repeat and --loops must be at least 1, got --repeat {args.repeat} --loops {args.loops}")
     return args
 
 

@@ -24,18 +24,6 @@ struct RecvTargets {
 };
 static_assert(sizeof(RecvTargets) == kRecvTargetBytes, "one RecvTargets per rank in BufferLayout::recv_targets");
 
-// Pull combine (one process, NVLink kernels): a rank's combine inputs as every device of the process addresses them.
-// Each combine's first kernel writes its own into every rank's combine_sources[me] before the barrier. When every
-// rank of the group published (values != nullptr), each rank reads its tokens' terms straight from the peers'
-// values and weights (no send, no staging) and then tells every rank it is done reading; otherwise every rank
-// sends its rows back into the sources' staging. All ranks read the same table after the barrier, so they agree
-// on the mode.
-struct CombineSource {
-  const char* values;    // values [C, W], nullptr: not published (this rank's inputs are not peer-addressable)
-  const float* weights;  // weights [C, Kw], nullptr when Kw == 0
-};
-static_assert(sizeof(CombineSource) == kCombineSourceBytes, "one CombineSource per rank in combine_sources");
-
 // Dispatch: layout + count exchange + direct-addressed row writes + local copy-out.
 struct DispatchParams {
   GroupCtx g;
@@ -105,8 +93,6 @@ struct CombineParams {
   int32_t row_bytes;                    // W * sizeof(dtype), multiple of 16
   int32_t num_sms;
   int32_t copy_blocks;
-  bool publish;      // publish values / weights as this rank's CombineSource (they are peer-addressable)
-  bool pull_table;   // NVLink kernels: the combine_sources table is written this op (the mode is read from it)
 };
 
 // The row-sending step shared by dispatch and cached dispatch (after the count exchange, or the barrier): one warp

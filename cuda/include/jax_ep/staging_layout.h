@@ -30,7 +30,6 @@ struct BufferLayout {
   int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
   int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
   int64_t recv_targets;    // kRecvTargetBytes [R]: dispatch's receive targets of rank s (RecvTargets), written by s
-  int64_t combine_sources; // kCombineSourceBytes [R]: combine's inputs of rank s (CombineSource), written by s
   int64_t payload;         // rows x payload_stride bytes
   int64_t payload_stride;  // bytes per row (4 * hidden: the f32 worst case)
   int64_t scales;          // f32 [rows][ceil(H/128)]
@@ -85,16 +84,15 @@ JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
   return 4 * (1 + kMaxNvlPeers + 2 * num_topk + scale_cols);
 }
 
-// Bytes of one rank's entry in recv_targets and combine_sources (normal_params.h: RecvTargets, CombineSource).
+// Bytes of one rank's entry in recv_targets (normal_params.h: RecvTargets).
 constexpr int64_t kRecvTargetBytes = 64;
-constexpr int64_t kCombineSourceBytes = 16;
 
 JAX_EP_HD int64_t recv_targets_offset(int64_t num_ranks, int64_t num_experts) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4), 16);
 }
 
 JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
-  return align_up(recv_targets_offset(num_ranks, num_experts) + (kRecvTargetBytes + kCombineSourceBytes) * num_ranks);
+  return align_up(recv_targets_offset(num_ranks, num_experts) + kRecvTargetBytes * num_ranks);
 }
 
 // nvshmem: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area;
@@ -108,7 +106,6 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.counts = kSignalHeaderBytes;
   b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
   b.recv_targets = recv_targets_offset(num_ranks, num_experts);
-  b.combine_sources = b.recv_targets + kRecvTargetBytes * num_ranks;
   b.payload_stride = 4 * hidden;
   b.payload = signal_bytes(num_ranks, num_experts);
   b.scales = b.payload + align_up(b.rows * b.payload_stride);
