@@ -58,7 +58,6 @@ class _Child:
         self.threads: list[threading.Thread] = []
         self.eof: list[float] = []  # when each output pipe closed (the child's fds close when it dies)
         self.reaped: float | None = None
-        self.raised: list[float] = []  # when its first Python traceback line was read
 
     def death_time(self) -> float:
         """Best estimate of when the child died: its output pipes close while it exits (together with its
@@ -67,12 +66,6 @@ class _Child:
         pipes = max(self.eof) if self.eof and len(self.eof) == len(self.threads) else None
         seen = [t for t in (pipes, self.reaped) if t is not None]
         return min(seen) if seen else time.monotonic()
-
-    def failure_time(self) -> float:
-        """When it failed: its first traceback if it printed one before dying, else its death. A rank that raises
-        can take seconds to exit (atexit work such as the distributed client's shutdown, on a loaded machine)
-        while the peers that lost it die at once: its traceback comes before their deaths."""
-        return min([self.death_time()] + self.raised[:1])
 
 
 # Gloo prints one "Rank i is connected to N peer ranks" line per CPU device, piece by piece from several threads at
@@ -86,19 +79,12 @@ def _only_chatter(line: bytes) -> bool:
     return pieces > 0 and not rest.strip(b"0123456789 \t\r\n")
 
 
-_TRACEBACK = b"Traceback (most recent call last)"
-
-
-def _pump(stream, out, rank: int, lock: threading.Lock, eof: list, verbose: bool = False,
-          raised: list | None = None) -> None:
-    """Copy one child stream to `out` line by line, each line prefixed with `[rank i] `; append to `raised` when the
-    first Python traceback line is read."""
+def _pump(stream, out, rank: int, lock: threading.Lock, eof: list, verbose: bool = False) -> None:
+    """Copy one child stream to `out` line by line, each line prefixed with `[rank i] `."""
     prefix = f"[rank {rank}] ".encode()
     binary = getattr(out, "buffer", None)
     try:
         for line in iter(stream.readline, b""):
-            if raised is not None and not raised and _TRACEBACK in line:
-                raised.append(time.monotonic())
             if not verbose and _only_chatter(line):
                 continue
             if not line.endswith(b"\n"):
@@ -202,8 +188,8 @@ class Supervisor:
     def _first_failure(self) -> tuple[int, int]:
         """The failed rank that died first (of those that died before the launcher stopped the others)."""
         failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
-        own = [c for c in failed if self.stop_time is None or c.failure_time() < self.stop_time] or failed
-        c = min(own, key=lambda c: (c.failure_time(), c.rank))
+        own = [c for c in failed if self.stop_time is None or c.death_time() < self.stop_time] or failed
+        c = min(own, key=lambda c: (c.death_time(), c.rank))
         return c.rank, c.proc.returncode
 
     # -- main loop ----------------------------------------------------------------------------------------
@@ -227,8 +213,7 @@ class Supervisor:
                 self.children.append(_Child(rank, proc))
             for c in self.children:
                 for stream, out in ((c.proc.stdout, sys.stdout), (c.proc.stderr, sys.stderr)):
-                    t = threading.Thread(target=_pump, args=(stream, out, c.rank, self.lock, c.eof, self.verbose,
-                                                             c.raised),
+                    t = threading.Thread(target=_pump, args=(stream, out, c.rank, self.lock, c.eof, self.verbose),
                                          daemon=True)
                     t.start()
                     c.threads.append(t)
