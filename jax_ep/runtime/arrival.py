@@ -43,15 +43,23 @@ def _rank_key(axis: str, rank: int) -> str:
 
 
 def _ranks_of(c, axis: str, process: int, num_ranks: int) -> list[int]:
-    """The ranks of `process` on `axis` that ever arrived (published by that process), for the error message."""
+    """The ranks of `process` on `axis` that ever arrived (published by that process), for the error message: one
+    directory read of the published rank keys (a per-key get with a short timeout can time out on a loaded machine
+    although the key is there)."""
+    prefix = _rank_key(axis, 0)[:-1]
+    try:
+        entries = c.key_value_dir_get(prefix)
+    except Exception:  # a client without directory reads, or none published yet
+        entries = []
     out = []
-    for r in range(num_ranks):
+    for key, value in entries:
         try:
-            if int(c.blocking_key_value_get(_rank_key(axis, r), 1)) == process:
+            r = int(key.rsplit("/", 1)[-1])
+            if 0 <= r < num_ranks and int(value) == process:
                 out.append(r)
-        except Exception:  # never published: that rank never arrived anywhere
-            pass
-    return out
+        except ValueError:
+            continue
+    return sorted(out)
 
 
 def arrive(op: str, axis: str, timeout_s: float, device_index: int, rank: int, num_ranks: int) -> None:
