@@ -301,7 +301,7 @@ def test_direct_buffer_controls_and_pointer_facts():
     native.set_direct_buffers(not was)
     assert native.direct_buffers_enabled() == (not was)
     native.set_direct_buffers(was)
-    assert native.direct_buffers_enabled() == was and native.direct_buffer_calls() >= 0
+    assert native.direct_buffers_enabled() == was
     facts = native.pointer_facts(0x1000)
     assert set(facts) == {"query_result", "legacy_ipc", "from_pool", "range_start", "range_size", "device", "access"}
     assert facts["legacy_ipc"] == 0 and facts["range_size"] == 0 and len(facts["access"]) == 8

@@ -79,15 +79,19 @@ def _close_groups():
     _groups.clear()
 
 
+def _setup(case):
+    """The group and config of a CASES entry (skips when the GPUs are missing) and its inputs, seeded by the case."""
+    R, T, T_max, H, K, E, mode, cap, fp8 = case
+    h.require(R)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    return _group(R), _cfg(R, T_max, H, K, E, cap), h.inputs(rng, R, T, H, K, E, mode, fp8)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}-T{}-Tmax{}-H{}-K{}-E{}-{}-C{}-{}".format(
     *c[:8], "fp8" if c[8] else "bf16"))
 def test_matches_reference(case):
-    R, T, T_max, H, K, E, mode, cap, fp8 = case
-    h.require(R)
-    group = _group(R)
-    cfg = _cfg(R, T_max, H, K, E, cap)
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    x, s, idx, w = h.inputs(rng, R, T, H, K, E, mode, fp8)
+    R, mode = case[0], case[6]
+    group, cfg, (x, s, idx, w) = _setup(case)
     res = h.run_case(group, cfg, R, x, s, idx, w)
     n_recv = np.asarray(res["cuda"]["dispatch"].num_recv_tokens).ravel()
     print(f"{case}: num_recv_tokens per rank {n_recv.tolist()} (capacity {cfg.capacity(R)})")
@@ -162,18 +166,15 @@ DIRECT_CASES = [
     (2, 17, 17, 7168, 8, 32, "skewed", 20, True),
     (4, 17, 17, 7168, 8, 32, "skewed", 20, False),
 ]
+assert all(c in CASES for c in DIRECT_CASES), "the groups are sized for the configs of CASES"
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: "R{}-T{}-{}-C{}-{}".format(
     c[0], c[1], c[6], c[7], "fp8" if c[8] else "bf16"))
 def test_direct_buffers_and_staging_match_reference(case, direct):
-    R, T, T_max, H, K, E, mode, cap, fp8 = case
-    h.require(R)
-    group = _group(R)
-    cfg = _cfg(R, T_max, H, K, E, cap)
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    x, s, idx, w = h.inputs(rng, R, T, H, K, E, mode, fp8)
+    R = case[0]
+    group, cfg, (x, s, idx, w) = _setup(case)
     native = _native.module()
     was = native.direct_buffers_enabled()
     native.set_direct_buffers(direct)
