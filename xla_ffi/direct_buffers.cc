@@ -70,17 +70,20 @@ std::mutex cache_mu;
 std::vector<Range> cache;  // guarded by cache_mu
 constexpr size_t kMaxCachedRanges = 256;
 
-bool cached(uintptr_t p, uint64_t mask) {
+// The end of the cached range that holds p and was found addressable by every device of mask, or 0.
+uintptr_t cached_end(uintptr_t p, uint64_t mask) {
   for (const Range& r : cache)
-    if (p >= r.begin && p < r.end && (mask & ~r.devices) == 0) return true;
-  return false;
+    if (p >= r.begin && p < r.end && (mask & ~r.devices) == 0) return r.end;
+  return 0;
 }
 
 // Asks the driver whether the allocation holding p is addressable by every device of mask; its range when so.
 bool ask_driver(const void* p, uint64_t mask, Range* range) {
   const PointerFacts f = describe(p);
   if (f.query_result != CUDA_SUCCESS || f.from_pool || f.range_size == 0) return false;
-  if (f.legacy_ipc != 1) {  // a virtual-memory mapping: access is per device
+  if (f.legacy_ipc == 1) {  // cudaMalloc: peer access covers it where its device is one of the group's
+    if (f.device < 0 || f.device >= 64 || !(mask >> f.device & 1u)) return false;
+  } else {  // a virtual-memory mapping: access is per device
     for (int o = 0; o < 64; ++o)
       if ((mask >> o & 1u) && access_of(p, o) != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return false;
   }
@@ -112,15 +115,22 @@ PointerFacts describe(const void* ptr) {
   return f;
 }
 
-bool peer_addressable(std::initializer_list<const void*> ptrs, uint64_t device_mask) {
+bool peer_addressable(std::initializer_list<Extent> extents, uint64_t device_mask) {
   std::lock_guard<std::mutex> lock(cache_mu);
-  for (const void* ptr : ptrs) {
-    if (ptr == nullptr) continue;
-    if (cached(reinterpret_cast<uintptr_t>(ptr), device_mask)) continue;
-    Range r{};
-    if (!ask_driver(ptr, device_mask, &r)) return false;
-    if (cache.size() >= kMaxCachedRanges) cache.clear();
-    cache.push_back(r);
+  for (const Extent& e : extents) {
+    if (e.ptr == nullptr || e.bytes <= 0) continue;
+    const uintptr_t end = reinterpret_cast<uintptr_t>(e.ptr) + static_cast<uintptr_t>(e.bytes);
+    for (uintptr_t p = reinterpret_cast<uintptr_t>(e.ptr); p < end;) {  // mapping by mapping
+      if (const uintptr_t next = cached_end(p, device_mask)) {
+        p = next;
+        continue;
+      }
+      Range r{};
+      if (!ask_driver(reinterpret_cast<const void*>(p), device_mask, &r) || r.end <= p) return false;
+      if (cache.size() >= kMaxCachedRanges) cache.clear();
+      cache.push_back(r);
+      p = r.end;
+    }
   }
   return true;
 }

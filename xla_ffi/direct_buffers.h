@@ -1,6 +1,7 @@
-// Direct buffers (one process, normal mode's NVLink kernels): the peers write this rank's XLA buffers themselves.
-// Dispatch's senders store into the receiver's outputs (direct receive, normal_params.h: RecvTargets). Whether a
-// call's buffers allow it, and the process-wide switch.
+// Direct buffers (one process, normal mode's NVLink kernels): the peers read and write this rank's XLA buffers
+// themselves. Dispatch's senders store into the receiver's outputs (direct receive, normal_params.h: RecvTargets);
+// combine's reducers read the peers' inputs (pull combine: CombineSource). Whether a call's buffers allow it, and
+// the process-wide switch.
 #pragma once
 
 #include <cstdint>
@@ -9,22 +10,29 @@
 namespace jax_ep::direct_buffers {
 
 // On by default; JAX_EP_DIRECT_BUFFERS=0 in the environment (read once) or set_enabled(false) turns it off: every
-// dispatch then receives through staging and the copy-out.
+// dispatch then receives through staging and the copy-out, every combine sends its rows back into staging.
 bool enabled();
 void set_enabled(bool on);
 
-// True when every non-null pointer lies in an allocation that the devices of `device_mask` (bit o: CUDA ordinal o)
-// can read and write through their own mappings:
-//   - a cudaMalloc / cuMemAlloc allocation: peer access, which create_group enabled between the group's devices,
-//     covers it;
+// A buffer: its device address and size in bytes.
+struct Extent {
+  const void* ptr;
+  int64_t bytes;
+};
+
+// True when every byte of every extent with a non-null pointer lies in allocations that the devices of `device_mask`
+// (bit o: CUDA ordinal o) can read and write through their own mappings:
+//   - a cudaMalloc / cuMemAlloc allocation on a device of the mask: peer access, which create_group enabled between
+//     the group's devices, covers it;
 //   - a virtual-memory mapping (cuMemCreate + cuMemMap, what XLA's allocator gives on CUDA 12+): cuMemGetAccess
 //     says read-write for every device of the mask (XLA grants its devices access to each other's mappings);
 //   - anything else (stream-ordered pools, unknown): false.
-// Asks the driver once per mapping and caches the answer by address range.
+// An extent may span several mappings: each is checked. Asks the driver once per mapping and caches the answer by
+// address range.
 // INVARIANT: an address range, once found addressable, stays so while the process runs: XLA's allocator keeps its
 // mappings, and maps anew with the same access. A process that remaps such a range without peer access must turn
 // direct buffers off (set_enabled(false) / JAX_EP_DIRECT_BUFFERS=0).
-bool peer_addressable(std::initializer_list<const void*> ptrs, uint64_t device_mask);
+bool peer_addressable(std::initializer_list<Extent> extents, uint64_t device_mask);
 
 // What the driver says of the allocation holding `ptr` (diagnostics: why a call did not use direct buffers).
 struct PointerFacts {
@@ -38,7 +46,8 @@ struct PointerFacts {
 };
 PointerFacts describe(const void* ptr);
 
-// Dispatch calls that used direct buffers (published their outputs), every device of this process.
+// Dispatch and combine calls that published their buffers, every device of this process (a combine whose peer did
+// not publish still runs push).
 int64_t calls();
 void count_call();
 

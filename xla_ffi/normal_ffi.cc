@@ -137,8 +137,12 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     // Direct receive: the NVLink kernels (no rank behind NVSHMEM) of a group in this process, whose peers can
     // address these outputs (normal_params.h: RecvTargets).
     p.direct_receive = view->in_process && !g.remote.any() && direct_buffers::enabled() &&
-                       direct_buffers::peer_addressable({p.recv_x, p.recv_x_scales, p.recv_topk_idx,
-                                                         p.recv_topk_weights, p.recv_src_idx, p.recv_src_rank},
+                       direct_buffers::peer_addressable({{p.recv_x, C * row_bytes},
+                                                         {p.recv_x_scales, C * S * 4},
+                                                         {p.recv_topk_idx, C * K * 4},
+                                                         {p.recv_topk_weights, C * K * 4},
+                                                         {p.recv_src_idx, C * 4},
+                                                         {p.recv_src_rank, C * 4}},
                                                         view->device_mask);
     if (p.direct_receive) direct_buffers::count_call();
     if (test_hooks::skip_launch(p.g.rank)) return ffi::Error::Success();
@@ -235,7 +239,8 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf val
     const int64_t T = send_pos.dimensions()[0];
     GroupCtx g{};
     int32_t sm_count = 0;
-    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count); !e.success()) return e;
+    const GroupDeviceView* view = nullptr;
+    if (auto e = make_group_ctx(st, ordinal, C, &g, &sm_count, &view); !e.success()) return e;
     int64_t row_bytes = 0;
     if (auto e = CheckRowsAndHandle(kCombine, a, g, values, T, C, weights, C, send_pos, recv_src_idx, recv_src_rank,
                                     recv_rank_counts, send_row_offset, &row_bytes);
@@ -266,6 +271,12 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf val
     p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCombine, s);
+    // Pull combine when every rank publishes (normal_params.h: CombineSource): this rank's inputs must be
+    // addressable by its peers (direct buffers, as dispatch's outputs for direct receive).
+    p.publish = view->in_process && !g.remote.any() && direct_buffers::enabled() &&
+                direct_buffers::peer_addressable({{p.values, C * row_bytes}, {p.weights, C * Kw * 4}},
+                                                 view->device_mask);
+    if (p.publish) direct_buffers::count_call();
     if (test_hooks::skip_launch(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kCombine, normal::launch_combine(p, stream));
   });

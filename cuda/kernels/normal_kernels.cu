@@ -4,12 +4,14 @@
 // Dispatch:  layout + count exchange -> direct-addressed row writes -> per-destination completion signal -> local
 //            copy-out of staging into XLA's outputs, or with direct receive (one process, RecvTargets) row writes
 //            straight into the destination's outputs and only the padding written locally.
-// Combine:   barrier -> rows back into the sources' staging -> signal -> reduce from staging into XLA's output.
+// Combine:   publish + barrier -> push mode: rows back into the sources' staging, signal, reduce from staging;
+//            pull mode (one process, every rank published its CombineSource): reduce reading the peers' inputs,
+//            then "done reading" signals.
 // Cached dispatch: barrier -> row writes into staging -> signal -> copy-out.
 // Rows are written at fixed positions known after the count exchange (send_row_offset[d] + send_pos[t, d]), so
 // there are no ring queues and no head/tail handshakes; rows beyond the capacity are never written.
-// Where XLA's outputs are not addressable by the peers (one process per GPU, other allocators: xla_ffi/
-// direct_buffers.h) dispatch receives through staging; it moves the same bytes over NVLink plus one local pass.
+// Where XLA's buffers are not addressable by the peers (one process per GPU, other allocators: xla_ffi/
+// direct_buffers.h) the staging path serves; it moves the same bytes over NVLink plus one local pass.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -194,7 +196,54 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Combine step 1: every received row from a remote rank s goes back to s, into s's slot [this rank][source token].
+// The combine-source table of the op with this epoch in `base`'s signal header (signal_header.h: by parity).
+__device__ __forceinline__ char* combine_sources(char* base, uint32_t epoch) {
+  return base + SignalHeader::kCombineSources + (epoch & 1u) * kMaxNvlPeers * SignalHeader::kCombineSourceBytes;
+}
+
+// Combine step 0 (NVLink kernels, one warp): this rank's CombineSource into every rank's table of this op (epoch =
+// the one the barrier below completes), then the barrier (whose release stores order the table before any rank
+// reads it).
+__global__ void __launch_bounds__(32, 1) combine_publish_barrier_kernel(const __grid_constant__ CombineParams p) {
+  const GroupCtx& g = p.g;
+  CombineSource mine{};
+  if (p.publish) {
+    mine.values = static_cast<const char*>(p.values);
+    mine.weights = p.weights;
+  }
+  for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x)
+    *reinterpret_cast<CombineSource*>(combine_sources(peer_base(g, d), current_epoch(g) + 1) +
+                                      g.rank * SignalHeader::kCombineSourceBytes) = mine;
+  __threadfence_system();
+  group_barrier_block(g, "combine barrier");
+}
+
+// Pull mode of this combine (normal_params.h: CombineSource): every rank published its inputs. Any thread, after
+// the op's barrier; every thread of the group computes the same answer from the same table.
+__device__ __forceinline__ bool pull_mode(const CombineParams& p) {
+  if (!p.pull_table) return false;
+  const char* table = combine_sources(self_base(p.g), current_epoch(p.g));
+  for (int r = 0; r < p.g.num_ranks; ++r)
+    if (__ldcg(reinterpret_cast<const unsigned long long*>(table + r * SignalHeader::kCombineSourceBytes)) == 0ull)
+      return false;
+  return true;
+}
+
+// Combine's one wait (one warp, never inside a wide kernel: see wait_data_kernel): in push mode before the reduce
+// (every rank's rows are in this rank's staging), in pull mode after it (every rank has finished reading this
+// rank's inputs, which XLA may reuse once the op ends). The other launch returns at once.
+__global__ void __launch_bounds__(32, 1) combine_wait_kernel(const __grid_constant__ CombineParams p, bool after_reduce) {
+  if (pull_mode(p) != after_reduce) return;
+  const GroupCtx& g = p.g;
+  const uint32_t epoch = current_epoch(g);
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
+    wait_peer(g, s, SignalHeader::kDataFlag, epoch,
+              after_reduce ? "combine (peers reading this rank's values)" : "receive (data from peers)");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine step 1 (push mode): every received row from a remote rank s goes back to s, into s's slot
+// [this rank][source token].
 // Rows from this rank itself are not copied: step 2 reads them straight from `values` (row send_row_offset[me] +
 // send_pos[t, me] is exactly the row that dispatch placed token t of this rank in).
 //
@@ -208,6 +257,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
   const int R = g.num_ranks, me = g.rank;
+  if (pull_mode(p)) return;  // the sources read the rows themselves
   const uint32_t epoch = current_epoch(g);
   combine_source_spans(p, s_begin, s_end, &s_span);
   const int num_src = R - 1;  // R == 1: nothing to send
@@ -223,10 +273,14 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
   finish_and_signal_data(g, epoch);
 }
 
-// Combine step 2 (after wait_data_kernel): y[t] = sum over ranks r (ascending) that kept token t of slot [r][t],
-// accumulated in f32 (node-first combine: a remote node's ranks are one term, its partial row in fwd_rows). The
-// local rank's term is read from `values` directly (the row step 1 used to copy into slot [me][t]: same values, same
-// summation order, so the result is unchanged) - one hop less for 1/R of the rows.
+// Combine step 2: y[t] = sum over ranks r (ascending) that kept token t of r's term, accumulated in f32. r's term is
+// the row of token t in r's `values` (row send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
+//   - r == this rank: read from `values` here;
+//   - pull mode (pull_mode(p)): read from r's `values` through the peer mapping (its CombineSource), after which the
+//     last block tells every rank this rank is done reading (combine_wait_kernel waits for that);
+//   - push mode (after combine_wait_kernel): slot [r][t] of the staging, where step 1 of r copied it; node-first
+//     combine: a remote node's ranks are one term, its partial row in fwd_rows.
+// Every way reads the same numbers in the same order, so the result does not depend on the mode.
 // Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), spread over every warp of
 // the grid, so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
 // rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
@@ -241,11 +295,23 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, me = g.rank, lane = lane_id(), nvl = g.forward_nvl;
   const char* self = self_base(g);
-  const char* values = static_cast<const char*>(p.values);
   const int n16 = p.row_bytes / 16;
   const int chunks = (n16 + kReduceVecs - 1) / kReduceVecs;
   const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
   const int items = p.num_tokens * chunks;  // < 2^31: T <= max_tokens_per_rank, chunks <= H / 512
+  // every rank's CombineSource in pull mode (R <= kMaxNvlPeers: the NVLink kernels), else only this rank's inputs
+  __shared__ CombineSource s_src[kMaxNvlPeers];
+  const bool pull = pull_mode(p);
+  if (pull) {
+    const char* table = combine_sources(self_base(g), current_epoch(g));
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      s_src[r].values = reinterpret_cast<const char*>(
+          __ldcg(reinterpret_cast<const unsigned long long*>(table + r * SignalHeader::kCombineSourceBytes)));
+      s_src[r].weights = reinterpret_cast<const float*>(
+          __ldcg(reinterpret_cast<const unsigned long long*>(table + r * SignalHeader::kCombineSourceBytes + 8)));
+    }
+    __syncthreads();
+  }
 
   for (int item = global_warp(); item < items; item += num_global_warps()) {
     const int t = item / chunks, c = item - t * chunks;
@@ -286,14 +352,17 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
             if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
           if (with_weights)
             wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + slot * B.fwd_stride + 4) + lane);
-        } else if (r == me) {
-          // row of token t in `values`; `values` is this op's read-only input: nothing writes it while the kernel runs
-          const int32_t local_row = __ldg(p.send_row_offset + me) + __ldg(p.send_pos + static_cast<int64_t>(t) * R + me);
-          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(local_row) * p.row_bytes);
+        } else if (r == me || pull) {
+          // row of token t in r's `values`: every rank's values are its op's read-only input, so nothing writes them
+          // while this kernel runs (a peer's stay valid until it has seen this rank's done signal)
+          const char* values = r == me ? static_cast<const char*>(p.values) : s_src[r].values;
+          const float* weights = r == me ? p.weights : s_src[r].weights;
+          const int32_t row = __ldg(p.send_row_offset + r) + __ldg(p.send_pos + static_cast<int64_t>(t) * R + r);
+          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
 #pragma unroll
           for (int u = 0; u < kU; ++u)
             if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
-          if (with_weights) wacc += __ldg(p.weights + static_cast<int64_t>(local_row) * p.num_weights + lane);
+          if (with_weights) wacc += __ldg(weights + static_cast<int64_t>(row) * p.num_weights + lane);
         } else {
           const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
 #pragma unroll
@@ -313,6 +382,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
       if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
     if (with_weights) p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
   }
+  if (pull) finish_and_signal_data(g, current_epoch(g));  // done reading every rank's inputs
 }
 
 int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
@@ -363,6 +433,8 @@ Status preload_kernels() {
   return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
                   reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
                   reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(combine_send_kernel),
+                  reinterpret_cast<const void*>(combine_publish_barrier_kernel),
+                  reinterpret_cast<const void*>(combine_wait_kernel),
                   reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>),
                   reinterpret_cast<const void*>(combine_reduce_kernel<float>)});
 }
@@ -449,16 +521,22 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 
-Status launch_combine(const CombineParams& p, cudaStream_t stream) {
+// NVLink kernels: publish + barrier, send (push mode), wait (push mode), reduce, wait (pull mode): the mode is read
+// on the device from the table the first kernel fills, so one launch sequence serves both.
+Status launch_combine(const CombineParams& params, cudaStream_t stream) {
   const NormalNvshmemOps* ops = nullptr;
-  JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
-  JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
+  JAX_EP_RETURN_IF_ERROR(transport_ops(params.g, &ops));
+  CombineParams p = params;
+  p.pull_table = ops == nullptr;
   if (ops != nullptr) {
+    JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
     JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send_and_receive(p, clamp_blocks(p.num_sms), stream)));
   } else {
+    combine_publish_barrier_kernel<<<1, 32, 0, stream>>>(p);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    wait_data_kernel<<<1, 32, 0, stream>>>(p.g);
+    combine_wait_kernel<<<1, 32, 0, stream>>>(p, false);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   if (p.dtype == CombineDtype::kBF16)
@@ -466,6 +544,10 @@ Status launch_combine(const CombineParams& p, cudaStream_t stream) {
   else
     combine_reduce_kernel<float><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (ops == nullptr) {
+    combine_wait_kernel<<<1, 32, 0, stream>>>(p, true);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   return Status::Ok();
 }
 

@@ -353,8 +353,11 @@ Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* 
       v.buffer_bytes = g->info.buffer_bytes;
       v.sm_count = g->info.sm_counts[v.rank];
       v.in_process = g->info.owns_buffers;
-      for (int o : ords)
-        if (v.in_process && o >= 0 && o < 64) v.device_mask |= uint64_t{1} << o;
+      for (int o : ords) {
+        if (o < 0 || o >= 64) v.in_process = false;  // device_mask names ordinals below 64 only
+        if (v.in_process) v.device_mask |= uint64_t{1} << o;
+      }
+      if (!v.in_process) v.device_mask = 0;
       for (int r = 0; r < v.num_ranks && r < static_cast<int>(g->info.pes.size()); ++r) v.pe[r] = g->info.pes[r];
       out->view = v;
       out->binding = b->second;

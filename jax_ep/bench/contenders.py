@@ -37,8 +37,8 @@ class Case:
 
 @contextlib.contextmanager
 def staged():
-    """Direct buffers off while the case is timed: dispatch receives through staging and the copy-out (the path of
-    one process per GPU)."""
+    """Direct buffers off while the case is timed: dispatch receives through staging and the copy-out, combine sends
+    its rows back into staging (the path of one process per GPU)."""
     from jax_ep import _native
 
     native = _native.module()
@@ -132,6 +132,8 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
                  bf16_bytes, setting=staged),
             Case("jax_ep dispatch fp8 staged", "jax_ep", "dispatch fp8", ep_dispatch_fp8, (q, scales, idx, w), mesh,
                  (spec,) * 4, fp8_bytes, setting=staged),
+            Case("jax_ep combine bf16 staged", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
+                 (spec,) * (1 + len(handle)), bf16_bytes, setting=staged),
         ]
     cases += _padded_cases([("dispatch", x, bf16_bytes), ("dispatch fp8", q, fp8_bytes)], idx, experts, mesh, rng,
                            bf16_bytes)

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "jax_ep/group_ctx.h"
+#include "jax_ep/signal_header.h"
 
 namespace jax_ep::normal {
 
@@ -13,7 +14,7 @@ namespace jax_ep::normal {
 // senders then store rows, scales, ids, weights, source index and source rank straight into these buffers instead
 // of the receiver's staging, and the receiver's copy-out only writes the padding rows. rows == nullptr: this
 // receiver takes its rows through staging (its outputs are not peer-addressable, or the path is off).
-struct RecvTargets {
+struct alignas(16) RecvTargets {
   char* rows;          // recv_x [C, row_bytes]
   float* scales;       // recv_x_scales [C, S], nullptr for bf16
   int32_t* topk_idx;   // recv_topk_idx [C, K]
@@ -23,6 +24,19 @@ struct RecvTargets {
   int64_t unused[2];
 };
 static_assert(sizeof(RecvTargets) == kRecvTargetBytes, "one RecvTargets per rank in BufferLayout::recv_targets");
+
+// Pull combine (one process, NVLink kernels): a rank's combine inputs as every device of the process addresses them.
+// Each combine's first kernel writes its own into every rank's SignalHeader::kCombineSources[epoch & 1][me] before
+// the op's barrier. When every rank of the group published (values != nullptr), each rank reads its tokens' terms
+// straight from the peers' values and weights (no send, no staging) and then tells every rank it is done reading;
+// otherwise every rank sends its rows back into the sources' staging. No rank writes the op's table after its
+// barrier (signal_header.h: by parity), so every kernel of every rank reads the same table and the ranks agree on
+// the mode.
+struct alignas(16) CombineSource {
+  const char* values;    // values [C, W], nullptr: not published (this rank's inputs are not peer-addressable)
+  const float* weights;  // weights [C, Kw], nullptr when Kw == 0
+};
+static_assert(sizeof(CombineSource) == SignalHeader::kCombineSourceBytes, "one entry of kCombineSources");
 
 // Dispatch: layout + count exchange + direct-addressed row writes + local copy-out.
 struct DispatchParams {
@@ -93,6 +107,8 @@ struct CombineParams {
   int32_t row_bytes;                    // W * sizeof(dtype), multiple of 16
   int32_t num_sms;
   int32_t copy_blocks;
+  bool publish;      // publish values / weights as this rank's CombineSource (they are peer-addressable)
+  bool pull_table;   // NVLink kernels: the combine_sources table is written this op (the mode is read from it)
 };
 
 // The row-sending step shared by dispatch and cached dispatch (after the count exchange, or the barrier): one warp

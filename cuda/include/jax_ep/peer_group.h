@@ -41,7 +41,7 @@ struct GroupDeviceView {
   int32_t pe[kMaxGroupRanks];  // GroupInfo::pes, -1 when not given
   // in_process: every rank's device belongs to this process, with peer access enabled between all of them
   // (create_group), so any cudaMalloc'd memory of one is addressable by the others; device_mask: bit o set for the
-  // CUDA ordinal o of every rank (ordinals < 64; 0 for external groups)
+  // CUDA ordinal o of every rank (0, and in_process false, for external groups and for ordinals >= 64)
   bool in_process = false;
   uint64_t device_mask = 0;
 

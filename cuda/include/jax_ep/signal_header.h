@@ -36,7 +36,8 @@ struct SignalHeader {
   // ---- single words, written by this rank only ----
   static constexpr int64_t kSingles = kNvshmemData + kU64PerRank;
   static constexpr int64_t kBarrierEpoch = kSingles;     // u32: barriers this rank completed = the op's epoch
-  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels
+  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels and of
+                                                         // the pull combine's reduce
   static constexpr int64_t kLowLatencyEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
   static constexpr int64_t kLowLatencySendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
   static constexpr int64_t kLowLatencyRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
@@ -48,6 +49,13 @@ struct SignalHeader {
   static constexpr int64_t kNvshmemEpoch = kSingles + 24;
   // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
   static constexpr int64_t kLowLatencyFusedToken = kSingles + 32;
+
+  // ---- normal-mode combine over NVLink (cuda/kernels/normal_kernels.cu): CombineSource [2][kMaxNvlPeers], entry
+  // [epoch & 1][s] written by rank s before the barrier of the combine with that epoch. Fixed place, whatever the
+  // config; by parity, because a rank that has finished op n-1 publishes for op n while a peer may still read the
+  // table of op n-1 (never of op n-2: the publisher passed barrier n-1, which the peer reached after op n-2).
+  static constexpr int64_t kCombineSourceBytes = 16;
+  static constexpr int64_t kCombineSources = kSingles + 64;
 };
 
 namespace signal_header_detail {
@@ -73,6 +81,7 @@ constexpr Word kWords[] = {
     {SignalHeader::kNvshmemCount, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kNvshmemData, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kNvshmemEpoch, 4, 4},
+    {SignalHeader::kCombineSources, 2 * kMaxNvlPeers * SignalHeader::kCombineSourceBytes, 16},
 };
 
 constexpr bool fits_and_aligned() {
