@@ -327,3 +327,42 @@ def test_the_kernels_default_is_the_python_default():
 
     src = open(os.path.join(os.path.dirname(__file__), "..", "nvshmem", "device", "low_latency.cu")).read()
     assert int(re.search(r"constexpr int kDefaultPutPartBytes = (\d+);", src).group(1)) == ke.LOW_LATENCY_PUT_BYTES_DEFAULT
+
+
+# JAX_EP_PULL_COMBINE_MIN_BYTES (one process, direct buffers): validated by initialize, not in the fingerprint
+def test_pull_combine_min_bytes_default_and_valid_values():
+    from jax_ep.runtime import kernel_env as ke
+
+    assert ke.pull_combine_min_bytes({}) == ke.PULL_COMBINE_MIN_BYTES_DEFAULT == 32 << 20
+    for v in ("0", "1", "4194304", str(2 ** 62 - 1)):
+        assert ke.pull_combine_min_bytes({"JAX_EP_PULL_COMBINE_MIN_BYTES": v}) == int(v)
+    assert "JAX_EP_PULL_COMBINE_MIN_BYTES" not in ke.kernel_environment({"JAX_EP_PULL_COMBINE_MIN_BYTES": "0"})
+
+
+@pytest.mark.parametrize("raw", ["-1", " 5", "5 ", "1e6", "32M", "+7", str(2 ** 62), "\u0664"])
+def test_pull_combine_min_bytes_rejects_bad_values_naming_the_variable(raw, monkeypatch):
+    import re
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jax_ep.runtime import kernel_env as ke
+
+    with pytest.raises(EPError, match=re.escape(f"JAX_EP_PULL_COMBINE_MIN_BYTES={raw!r} must be a whole number of bytes")):
+        ke.pull_combine_min_bytes({"JAX_EP_PULL_COMBINE_MIN_BYTES": raw})
+    monkeypatch.setenv("JAX_EP_PULL_COMBINE_MIN_BYTES", raw)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    with pytest.raises(EPError, match="JAX_EP_PULL_COMBINE_MIN_BYTES"):
+        jax_ep.initialize(mesh, jax_ep.EPConfig(4, 64, 2, 8, backend="reference"))
+
+
+def test_the_pull_threshold_default_is_the_native_default():
+    import os
+    import re
+
+    from jax_ep.runtime import kernel_env as ke
+
+    src = open(os.path.join(os.path.dirname(__file__), "..", "xla_ffi", "direct_buffers.h")).read()
+    m = re.search(r"constexpr int64_t kPullCombineMinBytes = int64_t\{(\d+)\} << (\d+);", src)
+    assert int(m.group(1)) << int(m.group(2)) == ke.PULL_COMBINE_MIN_BYTES_DEFAULT

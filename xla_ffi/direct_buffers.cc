@@ -20,6 +20,16 @@ std::atomic<bool>& switch_state() {
   return on;
 }
 
+std::atomic<int64_t>& pull_threshold() {
+  static std::atomic<int64_t> bytes{[] {
+    const char* v = std::getenv("JAX_EP_PULL_COMBINE_MIN_BYTES");
+    char* end = nullptr;
+    const long long n = v == nullptr ? -1 : std::strtoll(v, &end, 10);
+    return v != nullptr && *v != '\0' && *end == '\0' && n >= 0 ? static_cast<int64_t>(n) : kPullCombineMinBytes;
+  }()};
+  return bytes;
+}
+
 std::atomic<int64_t>& call_count() {
   static std::atomic<int64_t> n{0};
   return n;
@@ -95,6 +105,8 @@ bool ask_driver(const void* p, uint64_t mask, Range* range) {
 
 bool enabled() { return switch_state().load(std::memory_order_relaxed); }
 void set_enabled(bool on) { switch_state().store(on, std::memory_order_relaxed); }
+int64_t pull_combine_min_bytes() { return pull_threshold().load(std::memory_order_relaxed); }
+void set_pull_combine_min_bytes(int64_t bytes) { pull_threshold().store(bytes, std::memory_order_relaxed); }
 
 PointerFacts describe(const void* ptr) {
   PointerFacts f;

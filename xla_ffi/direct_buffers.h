@@ -14,6 +14,15 @@ namespace jax_ep::direct_buffers {
 bool enabled();
 void set_enabled(bool on);
 
+// Pull combine pays only where the rows a rank reduces hide the latency of reading its peers' memory: a combine
+// publishes its inputs (and so pulls) only when its output y holds at least pull_combine_min_bytes() bytes; smaller
+// combines push. Default kPullCombineMinBytes; JAX_EP_PULL_COMBINE_MIN_BYTES in the environment (read once) or
+// set_pull_combine_min_bytes() changes it. Every rank of a group decides alike: the test reads only the call's static
+// shape and this process-wide value.
+constexpr int64_t kPullCombineMinBytes = int64_t{32} << 20;
+int64_t pull_combine_min_bytes();
+void set_pull_combine_min_bytes(int64_t bytes);
+
 // A buffer: its device address and size in bytes.
 struct Extent {
   const void* ptr;
@@ -46,8 +55,7 @@ struct PointerFacts {
 };
 PointerFacts describe(const void* ptr);
 
-// Dispatch and combine calls that published their buffers, every device of this process (a combine whose peer did
-// not publish still runs push).
+// Dispatch and combine calls that published their buffers, every device of this process.
 int64_t calls();
 void count_call();
 

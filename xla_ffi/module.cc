@@ -276,13 +276,24 @@ NB_MODULE(_jax_ep_native, m) {
         "Calls of jax_ep's kernel-launching FFI handlers in this process, every device: a count that stops growing "
         "while steps run means XLA replays them from a command buffer (CUDA graph).");
   m.def("direct_buffer_calls", []() { return jax_ep::direct_buffers::calls(); },
-        "Normal-mode dispatch calls in this process (every device) that used direct buffers: the senders wrote "
-        "straight into the receiving rank's outputs (no staging).");
+        "Normal-mode calls in this process (every device) that used direct buffers: dispatch whose senders wrote "
+        "straight into the receiving rank's outputs, combine that read the peers' rows (no staging).");
   m.def("direct_buffers_enabled", []() { return jax_ep::direct_buffers::enabled(); },
         "Whether direct buffers are on for later dispatch calls of this process.");
   m.def("set_direct_buffers", [](bool on) { jax_ep::direct_buffers::set_enabled(on); }, nb::arg("on"),
         "Turns direct buffers on or off for later dispatch calls of this process (default on; "
         "JAX_EP_DIRECT_BUFFERS=0 starts it off). A call recorded in a command buffer keeps what it was recorded with.");
+  m.def("pull_combine_min_bytes", []() { return jax_ep::direct_buffers::pull_combine_min_bytes(); },
+        "The smallest normal-mode combine output (bytes) that pulls the peers' rows when direct buffers are on.");
+  m.def(
+      "set_pull_combine_min_bytes",
+      [](int64_t bytes) {
+        if (bytes < 0) throw nb::value_error("set_pull_combine_min_bytes: bytes must be 0 or more");
+        jax_ep::direct_buffers::set_pull_combine_min_bytes(bytes);
+      },
+      nb::arg("bytes"),
+      "Sets it for later combine calls of this process (default 32 MiB, or JAX_EP_PULL_COMBINE_MIN_BYTES; 0: every "
+      "combine whose buffers allow it pulls). A call recorded in a command buffer keeps what it was recorded with.");
   m.def(
       "pointer_facts",
       [](uintptr_t ptr) {

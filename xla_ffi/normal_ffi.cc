@@ -272,8 +272,10 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf val
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kCombine, s);
     // Pull combine when every rank publishes (normal_params.h: CombineSource): this rank's inputs must be
-    // addressable by its peers (direct buffers, as dispatch's outputs for direct receive).
+    // addressable by its peers (direct buffers, as dispatch's outputs for direct receive), and the output large
+    // enough (direct_buffers.h: pull_combine_min_bytes; every rank decides alike).
     p.publish = view->in_process && !g.remote.any() && direct_buffers::enabled() &&
+                T * row_bytes >= direct_buffers::pull_combine_min_bytes() &&
                 direct_buffers::peer_addressable({{p.values, C * row_bytes}, {p.weights, C * Kw * 4}},
                                                  view->device_mask);
     if (p.publish) direct_buffers::count_call();

@@ -13,6 +13,10 @@ not understand each other's messages.
   the measurements).
   The kernels read it once per process, at their first launch: set it before the program starts (the launcher
   passes the environment to every process), not between calls.
+- JAX_EP_PULL_COMBINE_MIN_BYTES: one process driving the group's GPUs with direct buffers on (docs/API.md, "Direct
+  buffers"): a normal-mode combine whose output holds at least this many bytes reads the peers' rows itself (pull);
+  smaller ones push their rows into staging. Decimal bytes, 0 or more; default 33554432 (32 MiB). Only one process
+  reads it (pull combine never spans processes), so it is not part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -41,6 +45,24 @@ def low_latency_put_bytes(environ=None) -> int:
                       f"from {LOW_LATENCY_PUT_BYTES_STEP} to {LOW_LATENCY_PUT_BYTES_MAX} (bytes per counted message of the NVSHMEM "
                       f"low-latency dispatch; unset: {LOW_LATENCY_PUT_BYTES_DEFAULT})")
     return value
+
+
+ENV_PULL_COMBINE_MIN_BYTES = "JAX_EP_PULL_COMBINE_MIN_BYTES"
+PULL_COMBINE_MIN_BYTES_DEFAULT = 32 << 20  # xla_ffi/direct_buffers.h: kPullCombineMinBytes
+
+
+def pull_combine_min_bytes(environ=None) -> int:
+    """The value the combine handler uses: JAX_EP_PULL_COMBINE_MIN_BYTES or the default; EPError when invalid."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV_PULL_COMBINE_MIN_BYTES, "")
+    if not raw:
+        return PULL_COMBINE_MIN_BYTES_DEFAULT
+    # ASCII digits only, below 2**62: exactly what the handler's strtoll accepts as the same number
+    if not (raw.isascii() and raw.isdigit() and int(raw) < 2 ** 62):
+        raise EPError(f"jax_ep.initialize: {ENV_PULL_COMBINE_MIN_BYTES}={raw!r} must be a whole number of bytes, 0 or more "
+                      f"(the smallest combine output that reads the peers' rows directly; unset: "
+                      f"{PULL_COMBINE_MIN_BYTES_DEFAULT})")
+    return int(raw)
 
 
 def kernel_environment(environ=None) -> dict:

@@ -32,7 +32,7 @@ import numpy as np
 from .. import _native
 from ..config import MAX_GROUP_RANKS, EPConfig
 from ..errors import EPError
-from .kernel_env import kernel_environment
+from .kernel_env import kernel_environment, pull_combine_min_bytes
 from .transport import requested as requested_transport
 
 log = logging.getLogger("jax_ep")
@@ -254,6 +254,7 @@ def setup(mesh: jax.sharding.Mesh, *configs: EPConfig, **kwargs) -> Runtime:
         check_group_ranks("initialize", f"mesh axis {cfg.axis_name!r} (EPConfig.axis_name of configs[{i}])",
                           int(dict(mesh.shape).get(cfg.axis_name, 0)))
     kernel_environment()  # EPError naming a kernel variable (JAX_EP_LOW_LATENCY_PUT_BYTES) with an invalid value
+    pull_combine_min_bytes()  # the same for JAX_EP_PULL_COMBINE_MIN_BYTES
     with _lock:
         current_rt: Runtime | None = _state["runtime"]
         mesh_shape = dict(mesh.shape)

@@ -161,7 +161,8 @@ def test_scan_200_calls_changing_routing():
 # Direct buffers (dispatch's senders write into the receiver's outputs, combine reads the peers' inputs; XLA's
 # allocator gives peer-addressable buffers in one process) and staging: both bit-identical to the reference, padding
 # rows, capacity overflow, f32 combine and combine without weights included; the native count says which path each
-# call took.
+# call took. "pull": every combine pulls (threshold 0); "push": the default threshold, above these outputs, so the
+# combines push; "staged": direct buffers off.
 DIRECT_CASES = [
     (2, 17, 32, 7168, 8, 16, "messy", None, False),
     (2, 17, 17, 7168, 8, 32, "skewed", 20, True),
@@ -170,23 +171,28 @@ DIRECT_CASES = [
 assert all(c in CASES for c in DIRECT_CASES), "the groups are sized for the configs of CASES"
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("path", ["pull", "push", "staged"])
 @pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: "R{}-T{}-{}-C{}-{}".format(
     c[0], c[1], c[6], c[7], "fp8" if c[8] else "bf16"))
-def test_direct_buffers_and_staging_match_reference(case, direct):
-    R = case[0]
+def test_direct_buffers_and_staging_match_reference(case, path):
+    R, T, H = case[0], case[1], case[3]
     group, cfg, (x, s, idx, w) = _setup(case)
+    group.activate()  # before the count: initialize's warm-up ops (a new group) take the direct path too
     native = _native.module()
-    was = native.direct_buffers_enabled()
-    native.set_direct_buffers(direct)
+    was, threshold = native.direct_buffers_enabled(), native.pull_combine_min_bytes()
+    assert path != "push" or T * H * 4 < threshold, "the default threshold must be above this case's combines"
+    native.set_direct_buffers(path != "staged")
+    if path == "pull":
+        native.set_pull_combine_min_bytes(0)
     try:
         before = native.direct_buffer_calls()
         res = h.run_case(group, cfg, R, x, s, idx, w)
         direct_calls = native.direct_buffer_calls() - before
     finally:
         native.set_direct_buffers(was)
-    print(f"{case} direct={direct}: {direct_calls} calls used direct buffers")
+        native.set_pull_combine_min_bytes(threshold)
+    print(f"{case} {path}: {direct_calls} calls used direct buffers")
     problems = h.compare(res)
     assert not problems, "\n".join(problems)
     # run_case: one dispatch and two combines (bf16 with weights, f32 without) per device; cached dispatch stages
-    assert direct_calls == (3 * R if direct else 0), direct_calls
+    assert direct_calls == {"pull": 3 * R, "push": R, "staged": 0}[path], direct_calls
