@@ -257,7 +257,7 @@ step_shared_gpu_bench() {  # the per-op fixed cost (T=1) as R grows: groups of S
     for mode in ${BENCH_MODES:-low_latency normal}; do
       PREFIX="ep$r ($per per GPU) $mode: "
       run "ep$r $mode" 240 "$PY" -m jax_ep.launch -n "$r" --processes-per-gpu "$per" --timeout 230 -m jax_ep.bench \
-        --mode "$mode" --tokens 1 --ll-tokens 1 --experts 256 --only jax_ep --nvl 8 --loops 5 \
+        --mode "$mode" --tokens 1 --ll-tokens 1 --experts 256 --ll-experts 256 --only jax_ep --nvl 8 --loops 5 \
         --out "$SCRATCH/shared_bench_ep${r}_$mode"
     done
   done
