@@ -126,7 +126,9 @@ def normal_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_
         Case("jax_ep combine bf16", "jax_ep", "combine", ep_combine, (recv_x, *handle), mesh,
              (spec,) * (1 + len(handle)), bf16_bytes, first_call=True),
     ]
-    if jax.default_backend() == "gpu" and cfg.backend != "reference":  # the same ops without direct buffers
+    # the same ops without direct buffers, where they could differ: one process drives the group (one process per
+    # GPU always stages)
+    if jax.default_backend() == "gpu" and cfg.backend != "reference" and jax.process_count() == 1:
         cases += [
             Case("jax_ep dispatch bf16 staged", "jax_ep", "dispatch", ep_dispatch, (x, idx, w), mesh, (spec,) * 3,
                  bf16_bytes, setting=staged),

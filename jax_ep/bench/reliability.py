@@ -172,7 +172,8 @@ def main(argv=None) -> int:
             print(f"lifecycle (process {pid}): {a.cycles} x (initialize, one step, finalize): free device memory "
                   f"after each finalize {free[0] / 2**30:.3f} -> {free[-1] / 2**30:.3f} GiB, largest drop after the "
                   f"first {growth / 2**20:.1f} MiB; host resident memory {rss[0] / 2**20:.0f} -> "
-                  f"{rss[-1] / 2**20:.0f} MiB (largest growth {host_growth / 2**20:.0f} MiB): "
+                  f"{rss[-1] / 2**20:.0f} MiB (largest growth {host_growth / 2**20:.0f} MiB, over the second half "
+                  f"of the cycles {(rss[-1] - rss[len(rss) // 2]) / 2**20:.0f} MiB): "
                   f"{'OK' if good else 'FAILED'}", flush=True)
     return 0 if ok else 1
 
