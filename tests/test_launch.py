@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jax_ep import launch
-from jax_ep.launch import cli, join
+from jax_ep.launch import cli, failures, join
 from helpers import cpu_child_env  # tests/ is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,6 +174,68 @@ def test_sys_exit_code_propagates_without_jax():
     rc, out, err, dt = run_launcher(["-n", "3", os.path.join(MP, "echo_env.py"), "--exit", "5"])
     assert rc == 5, show(out, err)
     assert re.search(r"rank \d failed first \(exited with code 5\); exiting with code 5", err), show(out, err)
+
+
+SLOW_EXIT = """import os, sys, time
+rank, raised, peer = int(os.environ["JAX_EP_PROCESS_ID"]), sys.argv[1], sys.argv[2]
+print("FAILURE_FILE", os.environ.get("JAX_EP_FAILURE_FILE"), flush=True)
+if rank == 0:
+    def slow_exit(*exc):  # a slow exit after the traceback, like the distributed client's on a loaded machine
+        sys.__excepthook__(*exc)
+        open(raised, "w").close()
+        time.sleep(3)
+    sys.excepthook = slow_exit
+    raise RuntimeError("rank 0 fails on its own")
+while not os.path.exists(raised):  # then rank 1 fails as one that lost its peer would, long before rank 0 exits
+    time.sleep(0.01)
+if peer == "raise":
+    raise ConnectionError("rank 1 lost rank 0")
+os._exit(1)
+"""
+
+
+@pytest.mark.parametrize("module,peer", [(False, "raise"), (True, "os_exit")])
+def test_the_rank_that_failed_on_its_own_is_named_though_a_peer_dies_first(module, peer, tmp_path):
+    """Rank 0 raises and takes 3 s to exit; rank 1 fails once rank 0 has printed its traceback (an exception, or
+    os._exit without one) and dies first. The launcher names rank 0 (its bootstrap noted the failure when it
+    raised), lets it finish exiting with its own code (a failing rank ignores SIGTERM), and leaves no file in the
+    temporary folder; the program does not see the variable of the failure records."""
+    (tmp_path / "slow_exit.py").write_text(SLOW_EXIT)
+    (tmp_path / "tmp").mkdir()
+    program = ["-m", "slow_exit"] if module else [str(tmp_path / "slow_exit.py")]
+    rc, out, err, dt = run_launcher(["-n", "2", "--no-join", "--timeout", "60"] + program
+                                    + [str(tmp_path / "raised"), peer], cwd=tmp_path, TMPDIR=str(tmp_path / "tmp"))
+    assert rc == 1, show(out, err)
+    assert "jax_ep.launch: rank 0 failed first (exited with code 1); exiting with code 1" in err, show(out, err)
+    assert "rank 0: exited with code 1 while being stopped; rank 1: exited with code 1" in err, show(out, err)
+    assert "[rank 0] RuntimeError: rank 0 fails on its own" in err, show(out, err)
+    assert sorted(rank_lines(out, "FAILURE_FILE").values()) == [["FAILURE_FILE None"]] * 2, show(out, err)
+    assert os.listdir(tmp_path / "tmp") == [], show(out, err)
+    assert dt < 20, f"took {dt:.1f} s" + show(out, err)
+
+
+@pytest.mark.parametrize("noted,deaths,stop_time,first", [
+    ({0: (1.0, set())}, {0: 5.0, 1: 2.0}, 2.1, 0),        # rank 0 raised, then took long to die; rank 1 lost it
+    ({0: (1.5, {1})}, {0: 3.0, 1: 2.0}, 2.1, 1),          # rank 1 was killed (no record; its death is seen late)
+    ({0: (1.0, set()), 1: (0.5, set())}, {0: 3.0, 1: 2.0}, 2.1, 1),  # both failed on their own: the first to note
+    ({0: (1.0, {2})}, {0: 3.0, 1: 1.5}, 1.6, 0),          # rank 2 had exited 0 (not failed): rank 0 still counts
+    ({0: (2.5, set())}, {0: 3.0, 1: 2.0}, 2.1, 1),        # rank 0 failed after the launcher stopped it
+])
+def test_first_failure(noted, deaths, stop_time, first):
+    assert failures.first_failure(noted, deaths, stop_time) == first
+
+
+def test_failure_records_name_the_ranks_already_exiting():
+    """A rank's record holds when it failed and which local ranks had begun exiting then (here: one reaped)."""
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    with failures.create(3) as f:
+        failures.write_pids(f, [os.getpid(), gone, os.getppid()], 3)
+        assert failures.read(f, [10, 11, 12]) == {}
+        t0 = time.monotonic()
+        failures.note(f.fileno(), 0, 3)
+        noted = failures.read(f, [10, 11, 12])
+    assert list(noted) == [10] and t0 <= noted[10][0] <= time.monotonic() and noted[10][1] == {11}, noted
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ first and exits with its code. Under SLURM, --num-hosts, --host-index and --coor
 SLURM_JOB_NUM_NODES, SLURM_NODEID and SLURM_JOB_NODELIST say (jax_ep/launch/plan.py: resolve_hosts).
 
 Modules: env (variable names, defaults), plan (hosts, coordinator, GPUs, child environments), supervisor
-(processes, output, failure propagation), cli (the command line), child (the bootstrap each process runs:
-join, then the program), join (`init_from_env`). The launcher process imports no JAX from here; docs:
-docs/PROCESS_MODELS.md.
+(processes, output, failure propagation), failures (which rank failed first), cli (the command line), child (the
+bootstrap each process runs: join, then the program), join (`init_from_env`). The launcher process imports no JAX
+from here; docs: docs/PROCESS_MODELS.md.
 """
 
 from .env import (ENV_COORDINATOR, ENV_HEARTBEAT_TIMEOUT, ENV_HOST_INDEX, ENV_JOIN_TIMEOUT, ENV_LOCAL_RANK,

@@ -6,7 +6,11 @@
    unchanged JAX script becomes one process of one job; `--no-join` leaves that to the program.
 2. Runs the program like `python script.py` / `python -m module` would: runpy, sys.argv, sys.path[0],
    `__name__ == "__main__"`.
-3. On failure (an uncaught exception, a non-zero SystemExit, or a failed join) prints the traceback as Python would,
+3. On failure (an uncaught exception, a non-zero SystemExit, or a failed join) first notes the failure for the
+   launcher, before this process tears anything down (failures.note: how the launcher tells the rank that failed
+   on its own from the ranks that lost it), and ignores SIGTERM from then on (the launcher's "another rank failed"
+   signal must not cut its traceback short nor replace its exit code; the launcher's SIGKILL after --grace-seconds
+   still bounds its exit). Then it prints the traceback as Python would,
    flushes stdout/stderr and logging, and leaves with os._exit(code), skipping atexit hooks. Why: after
    jax.distributed.initialize, JAX's exit hook waits in a shutdown barrier for every other process (300 s by
    default), so a rank that failed while the others sit in a collective would never exit and the launcher could
@@ -20,16 +24,15 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 import traceback
 
 USAGE = "usage: python -m jax_ep.launch.child [--no-join] (script.py | -m module) [args ...]"
 
 
-def _exit_code(e: SystemExit) -> int | None:
-    """The process exit code a SystemExit means, None for success (prints a non-integer code like Python)."""
-    if e.code is None or e.code == 0:
-        return None
+def _exit_code(e: SystemExit) -> int:
+    """The process exit code of a failing SystemExit (prints a non-integer code like Python)."""
     if isinstance(e.code, int):
         return e.code & 0xFF or 1
     try:
@@ -85,6 +88,28 @@ def _die_with_launcher() -> None:
         _leave(1)
 
 
+def _failure_record() -> tuple[int, int, int] | None:
+    """(descriptor, local rank, local ranks) for failures.note, from env.ENV_FAILURE_FILE; None when not started by
+    the launcher. Removes the variable and keeps the descriptor from the program's own subprocesses."""
+    from jax_ep.launch.env import ENV_FAILURE_FILE
+
+    try:
+        fd, i, n = (int(x) for x in os.environ.pop(ENV_FAILURE_FILE).split(":"))
+        os.set_inheritable(fd, False)
+    except (KeyError, ValueError, OSError):
+        return None
+    return fd, i, n
+
+
+def _note_failure(record: tuple[int, int, int] | None) -> None:
+    """The program failed: ignore SIGTERM from now on and note the failure for the launcher (module docstring, 3.)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if record is not None:
+        from jax_ep.launch import failures
+
+        failures.note(*record)
+
+
 def _run_program(mode: str, target: str, args: list[str]) -> None:
     sys.argv = [target] + args
     if mode == "-m":
@@ -112,6 +137,7 @@ def _leave(code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Join, run the program; returns when it succeeded, never returns when it failed (os._exit)."""
     _die_with_launcher()
+    record = _failure_record()
     argv = list(sys.argv[1:] if argv is None else argv)
     join = True
     if argv[:1] == ["--no-join"]:
@@ -126,10 +152,12 @@ def main(argv: list[str] | None = None) -> None:
         _run_program(mode, target, args)
         return
     except SystemExit as e:
-        code = _exit_code(e)
-        if code is None:
+        if e.code is None or e.code == 0:
             return
+        _note_failure(record)
+        code = _exit_code(e)
     except BaseException as e:
+        _note_failure(record)
         _print_exception(e)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     _leave(code)

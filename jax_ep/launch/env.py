@@ -15,6 +15,9 @@ JOB_VARIABLES = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 # The launcher's pid: the child bootstrap asks for SIGKILL when that process dies (PR_SET_PDEATHSIG), and exits at
 # once if it is already gone.
 ENV_LAUNCHER_PID = "JAX_EP_LAUNCHER_PID"
+# FD:I:N: the descriptor of the launcher's file where the child bootstrap of local rank I of N notes when its program
+# failed (failures.py); the bootstrap removes the variable from the program's environment.
+ENV_FAILURE_FILE = "JAX_EP_FAILURE_FILE"
 # Informational (the launcher sets them; nothing requires them): where this process sits.
 ENV_LOCAL_RANK = "JAX_EP_LOCAL_RANK"        # 0 .. local_size-1 on this host
 ENV_LOCAL_SIZE = "JAX_EP_LOCAL_SIZE"        # processes on this host (-n)

@@ -3,7 +3,8 @@
 Each child runs in its own session (process group) and sets PR_SET_PDEATHSIG itself (child.py), so the launcher
 can signal whole groups and a SIGKILLed launcher takes its children along. Output is copied line by line with a `[rank i] `
 prefix (i = global process id). When a rank exits non-zero or is killed, every other local rank gets SIGTERM, then
-SIGKILL after the grace period, and the launcher exits with the code of the rank that failed first.
+SIGKILL after the grace period, and the launcher exits with the code of the rank that failed first (failures.py:
+from what each failing rank's bootstrap noted, a rank that failed on its own is told from one that lost a peer).
 Standard library only.
 """
 
@@ -18,7 +19,8 @@ import sys
 import threading
 import time
 
-from .env import ENV_LAUNCHER_PID, LOG_PREFIX, TIMEOUT_EXIT_CODE
+from . import failures
+from .env import ENV_FAILURE_FILE, ENV_LAUNCHER_PID, LOG_PREFIX, TIMEOUT_EXIT_CODE
 
 
 def log(msg: str, lock: threading.Lock | None = None) -> None:
@@ -117,6 +119,7 @@ class Supervisor:
         self.codes: dict[int, int] = {}
         self.interrupted: int | None = None
         self.stop_time: float | None = None      # when the launcher sent SIGTERM
+        self.failures = None                     # the file where failing ranks note when they failed (failures.py)
 
     def log(self, msg: str) -> None:
         log(msg, self.lock)
@@ -186,14 +189,15 @@ class Supervisor:
         self.log("; ".join(parts))
 
     def _first_failure(self) -> tuple[int, int]:
-        """The failed rank that died first (of those that died before the launcher stopped the others)."""
-        failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
-        own = [c for c in failed if self.stop_time is None or c.death_time() < self.stop_time] or failed
-        c = min(own, key=lambda c: (c.death_time(), c.rank))
-        return c.rank, c.proc.returncode
+        """(rank, return code) of the rank that failed first (failures.first_failure)."""
+        failed = {c.rank: c for c in self.children if c.proc.poll() not in (None, 0)}
+        rank = failures.first_failure(failures.read(self.failures, self.ranks),
+                                      {r: c.death_time() for r, c in failed.items()}, self.stop_time)
+        return rank, failed[rank].proc.returncode
 
     # -- main loop ----------------------------------------------------------------------------------------
     def run(self) -> int:
+        self.failures = failures.create(len(self.ranks))
         old_handlers = {}
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
@@ -204,13 +208,16 @@ class Supervisor:
             # NOTE: no preexec_fn: this process has native threads (jaxlib's, from `import jax_ep`), and Python code
             # run between fork and exec can deadlock on a lock such a thread held at the fork. Each child asks for
             # SIGKILL when the launcher dies itself (child.py, ENV_LAUNCHER_PID).
-            for rank, env in zip(self.ranks, self.envs):
+            fd = self.failures.fileno()
+            for i, (rank, env) in enumerate(zip(self.ranks, self.envs)):
                 if self.interrupted is not None:
                     break
-                env = dict(env, **{ENV_LAUNCHER_PID: str(os.getpid())})
+                env = dict(env, **{ENV_LAUNCHER_PID: str(os.getpid()),
+                                   ENV_FAILURE_FILE: f"{fd}:{i}:{len(self.ranks)}"})
                 proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+                                        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(fd,))
                 self.children.append(_Child(rank, proc))
+            failures.write_pids(self.failures, [c.proc.pid for c in self.children], len(self.ranks))
             for c in self.children:
                 for stream, out in ((c.proc.stdout, sys.stdout), (c.proc.stderr, sys.stderr)):
                     t = threading.Thread(target=_pump, args=(stream, out, c.rank, self.lock, c.eof, self.verbose),
@@ -223,6 +230,7 @@ class Supervisor:
             self._stop_all()
             raise
         finally:
+            self.failures.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
 
