@@ -40,7 +40,10 @@ def _hello(tmp_path):
     script.write_text('import os\nos.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")\n'
                       'import jax\nfrom jax.experimental import multihost_utils\n'
                       'multihost_utils.sync_global_devices("hello")  # a cross-process collective: Gloo connects\n'
-                      'print("DEVICES", len(jax.devices()), len(jax.local_devices()), flush=True)\n')
+                      '# one write: Gloo threads print to the same stream between the pieces of a multi-argument\n'
+                      '# print when stdout is unbuffered\n'
+                      'import sys\n'
+                      'sys.stdout.write(f"DEVICES {len(jax.devices())} {len(jax.local_devices())}\\n"); sys.stdout.flush()\n')
     return str(script)
 
 
