@@ -306,3 +306,19 @@ def test_direct_buffer_controls_and_pointer_facts():
     assert set(facts) == {"query_result", "legacy_ipc", "from_pool", "range_start", "range_size", "device", "access"}
     assert facts["legacy_ipc"] == 0 and facts["range_size"] == 0 and len(facts["access"]) == 8
     assert all(a != 3 for a in facts["access"]), facts
+
+
+def test_pull_combine_threshold_control():
+    # docs/API.md "Direct buffers": the threshold round-trips and refuses a negative value (its default equals the
+    # Python side's: tests/test_nvshmem_env.py)
+    was = native.pull_combine_min_bytes()
+    assert was >= 0
+    try:
+        native.set_pull_combine_min_bytes(0)
+        assert native.pull_combine_min_bytes() == 0
+        with pytest.raises(ValueError, match="bytes must be 0 or more"):
+            native.set_pull_combine_min_bytes(-1)
+        assert native.pull_combine_min_bytes() == 0
+    finally:
+        native.set_pull_combine_min_bytes(was)
+    assert native.pull_combine_min_bytes() == was

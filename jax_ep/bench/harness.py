@@ -19,17 +19,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 
-@dataclasses.dataclass
-class Timing:
-    name: str
-    seconds: float  # median per call
-    spread: float  # (max - min) / median over the loops
-    first_call: float | None  # wall time of the first execution of a one-call program (compile excluded)
-    single_call: float | None  # median wall time of later executions of that one-call program
-    loops: int
-    calls_per_loop: int
-
-
 def chained_loop(op: Callable, num_calls: int, mesh, in_specs, feedback: Callable, unroll: bool = True):
     """jit(shard_map(loop)) running `op(*args)` num_calls times; feedback(args, out) -> args of the next call."""
 
@@ -109,11 +98,3 @@ def measure(prep: Prepared, loops: int) -> list[float]:
         samples.append((time.perf_counter() - t0) / prep.num_calls)
     return samples
 
-
-def time_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
-            unroll=True) -> Timing:
-    prep = prepare_op(name, op, args, mesh, in_specs, feedback, num_calls, loops, first_call, unroll)
-    samples = measure(prep, loops)
-    med = statistics.median(samples)
-    return Timing(name, med, (max(samples) - min(samples)) / med, prep.first_call, prep.single_call, loops,
-                  num_calls)
