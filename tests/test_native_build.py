@@ -81,9 +81,9 @@ def test_state_types_are_registrable_pairs():
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
 #   total = 12544 + 5120 + 1024 = 18688
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
-#   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(80 + 260) = 352
+#   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(144 + 260) = 416
 #   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096), rows at 4864
-#   rows end = max(4864 + E*T_max*288 = 14080, 4864 + E*T_max*256 = 13056, 4864 + R*T_max*352 = 7680) = 14080
+#   rows end = max(4864 + E*T_max*288 = 14080, 4864 + E*T_max*256 = 13056, 4864 + R*T_max*416 = 8192) = 14080
 #   weights at 14080: R*T_max*16 f32 = 512 bytes -> one half = align256(14592) = 14592
 #   total = LL_FIXED (scratch + RDMA words) + 2 * 14592
 SMALL_NORMAL = dict(hidden=128, num_topk=2, max_tokens_per_rank=4, num_ranks=2, capacity=10, num_experts=8)
@@ -138,15 +138,15 @@ def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
         native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=-1)
 
 
-# The fixed part of every LL region: scratch counters (4 * 1024) and the RDMA words (consumed counters u64 [2][256]
-# = 4096, then counted signals 2 * 8 * 1024).
-LL_FIXED = 4096 + 4096 + 16384
+# The fixed part of every LL region: scratch counters (4 * (1024 experts + 256 ranks)) and the RDMA words (consumed
+# counters u64 [2][256] = 4096, then counted signals 2 * 8 * 1024).
+LL_FIXED = 5120 + 4096 + 16384
 
 
 def test_low_latency_buffer_bytes_by_hand():
     # halves of 14592: flags 3 * 256, rank words 4096, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
     assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 14592
-    # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 352, per_rank's stride) and
+    # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 416, per_rank's stride) and
     # the combine rows [E][T_max] (8 * 4 * 256 = 8192)
     assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (14592 + 8192)
     # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,

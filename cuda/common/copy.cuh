@@ -56,6 +56,27 @@ __device__ __forceinline__ void copy_segment_cg(char* dst, const char* src, int 
   }
 }
 
+// One warp's share of a segment of peer-written data (at most 2048 bytes, a multiple of 16): lane l holds vectors
+// l, l + 32, l + 64, l + 96, loaded L1-bypassing (ld.cg), all four in flight at once. store_segment writes them to
+// one destination; a segment loaded once can be stored to several.
+__device__ __forceinline__ void load_segment_cg(const char* src, int bytes, int4 v[4]) {
+  const int n16 = bytes / 16;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) v[u] = ld_cg_v4(reinterpret_cast<const int4*>(src) + j);
+  }
+}
+
+__device__ __forceinline__ void store_segment(char* dst, int bytes, const int4 v[4]) {
+  const int n16 = bytes / 16;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int j = u * 32 + lane_id();
+    if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, v[u]);
+  }
+}
+
 // One warp copies at most 2048 bytes (4 vectors per lane) of read-only input: every load issued before any store.
 __device__ __forceinline__ void copy_segment_nc(char* dst, const char* src, int bytes) {
   const int n16 = bytes / 16;

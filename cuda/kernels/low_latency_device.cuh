@@ -138,50 +138,76 @@ __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
 // The distinct destinations of token t and its position at each: destination of slot k = expert e_k / div (div 1:
 // the expert, per_expert mode; div L: its rank, per_rank mode). s_dest[k] = that destination for the first k naming
 // it (-1 for an invalid id or a repeat); s_pos[k] = tokens t' < t with at least one valid id of that destination.
+// kExpertPositions (per_rank mode): also s_epos[k] = tokens t' < t naming the expert of slot k, for every valid slot
+// (a repeated expert gets the position of its first slot), -1 for an invalid id: the row the expert's receiver
+// gives token t among this source's rows. s_part / s_epart: [num_warps][kMaxTopk] of shared memory.
 // All threads; ends with __syncthreads.
+template <bool kExpertPositions = false>
 __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int K, int E, int div, int32_t* s_dest,
-                                           int32_t* s_pos, int32_t (*s_part)[kMaxTopk]) {
+                                           int32_t* s_pos, int32_t (*s_part)[kMaxTopk], int32_t* s_epos = nullptr,
+                                           int32_t (*s_epart)[kMaxTopk] = nullptr) {
   const int tid = threadIdx.x, lane = lane_id(), warp = warp_id();
   const int32_t* ids = topk_idx + static_cast<int64_t>(t) * K;
   auto dest = [&](int32_t e) { return layout::valid_expert(e, E) ? e / div : -1; };
+  auto expert = [&](int32_t e) { return layout::valid_expert(e, E) ? e : -1; };
   if (tid < K) {
     const int32_t d = dest(__ldg(ids + tid));
     bool first = d >= 0;
     for (int j = 0; j < tid; ++j) first &= (dest(__ldg(ids + j)) != d);  // a repeat gets no message of its own
     s_dest[tid] = first ? d : -1;
   }
+  // s_epos holds the slots' experts until the positions replace them (the compares below read them from shared
+  // memory: two register arrays of kMaxTopk would spill).
+  if (kExpertPositions && tid < K) s_epos[tid] = expert(__ldg(ids + tid));
   __syncthreads();
-  int32_t mine[kMaxTopk];
-  int32_t cnt[kMaxTopk];
-#pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k) {
-    mine[k] = k < K ? s_dest[k] : -1;
-    cnt[k] = 0;
-  }
-  for (int tp = tid; tp < t; tp += blockDim.x) {  // earlier tokens, one per thread
-    const int32_t* other = topk_idx + static_cast<int64_t>(tp) * K;
-    int32_t o[kMaxTopk];
-#pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) o[j] = j < K ? dest(__ldg(other + j)) : -2;
+  auto mine = [&](int k) { return k < K ? s_dest[k] : -1; };
+  auto mine_e = [&](int k) { return k < K ? s_epos[k] : -1; };
+  // Per warp, tokens counted by ballots: s_part[warp][k] (s_epart: experts), written by the warp's lane 0 only.
+  if (lane == 0) {
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
-      bool hit = false;
-#pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) hit |= (o[j] == mine[k]);
-      cnt[k] += (mine[k] >= 0 && hit) ? 1 : 0;  // once per earlier token, however often it names the destination
+      s_part[warp][k] = 0;
+      if (kExpertPositions) s_epart[warp][k] = 0;
     }
   }
+  for (int tp0 = 0; tp0 < t; tp0 += blockDim.x) {  // earlier tokens, one per thread (warp-uniform trip count)
+    const int tp = tp0 + tid;
+    uint32_t hit = 0u, ehit = 0u;  // bit k: the earlier token names slot k's destination / expert
+    if (tp < t) {
+      const int32_t* other = topk_idx + static_cast<int64_t>(tp) * K;
+      int32_t id[kMaxTopk];  // every load in flight before the compares
 #pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k) {
+      for (int j = 0; j < kMaxTopk; ++j) id[j] = j < K ? __ldg(other + j) : -1;
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) cnt[k] += __shfl_xor_sync(0xffffffffu, cnt[k], o);
-    if (lane == 0) s_part[warp][k] = cnt[k];
+      for (int j = 0; j < kMaxTopk; ++j) {
+        const int32_t d = dest(id[j]), ee = expert(id[j]);  // -1 past K: never a hit
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {
+          if (d >= 0 && d == mine(k)) hit |= 1u << k;
+          if (kExpertPositions && ee >= 0 && ee == mine_e(k)) ehit |= 1u << k;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {  // once per earlier token, however often it names the destination
+      const int c = __popc(__ballot_sync(0xffffffffu, (hit >> k) & 1u));
+      const int ce = kExpertPositions ? __popc(__ballot_sync(0xffffffffu, (ehit >> k) & 1u)) : 0;
+      if (lane == 0) {
+        s_part[warp][k] += c;
+        if (kExpertPositions) s_epart[warp][k] += ce;
+      }
+    }
   }
   __syncthreads();
   if (tid < K) {
     int32_t pos = 0;
     for (int w = 0; w < num_warps(); ++w) pos += s_part[w][tid];
     s_pos[tid] = pos;
+  } else if (kExpertPositions && tid >= 32 && tid < 32 + K) {  // another warp: the two sums run side by side
+    const int k = tid - 32;
+    int32_t pos = 0;
+    for (int w = 0; w < num_warps(); ++w) pos += s_epart[w][k];
+    s_epos[k] = s_epos[k] >= 0 ? pos : -1;  // only this thread touches s_epos[k] after the loop
   }
   __syncthreads();
 }
@@ -194,6 +220,39 @@ __device__ __forceinline__ void copy_segment_from_shared(char* dst, const char* 
     st_v4(reinterpret_cast<int4*>(dst) + j, reinterpret_cast<const int4*>(src)[j]);
   for (int j = n16 * 4 + lane_id(); j < bytes / 4; j += 32)
     reinterpret_cast<int32_t*>(dst)[j] = reinterpret_cast<const int32_t*>(src)[j];
+}
+
+// Exclusive prefix sums, in place, of v[0..n) in shared memory (n <= 2 * blockDim.x, blockDim.x a multiple of 32):
+// thread i owns v[2i] and v[2i + 1]; warp scans by shuffles, then one scan of the warp totals (s_warp: 32 ints of
+// shared memory). Returns the total in every thread. All threads; ends with __syncthreads.
+__device__ __forceinline__ int32_t block_exclusive_scan(int32_t* v, int n, int32_t* s_warp) {
+  const int tid = threadIdx.x, lane = lane_id(), warp = warp_id();
+  __syncthreads();  // v is complete
+  const int32_t a = 2 * tid < n ? v[2 * tid] : 0, b = 2 * tid + 1 < n ? v[2 * tid + 1] : 0;
+  int32_t x = a + b;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < num_warps() ? s_warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    s_warp[lane] = w;  // inclusive totals of warps 0..lane
+  }
+  __syncthreads();
+  const int32_t base = (warp > 0 ? s_warp[warp - 1] : 0) + x - (a + b);
+  if (2 * tid < n) v[2 * tid] = base;
+  if (2 * tid + 1 < n) v[2 * tid + 1] = base + a;
+  const int32_t total = s_warp[num_warps() - 1];
+  __syncthreads();
+  return total;
 }
 
 // All threads of every block, at the end of a send kernel: true in every thread of the last block to get here
@@ -229,6 +288,13 @@ constexpr int kExpertBlocksPerSm = 2;
 inline dim3 expert_grid(const Ctx& c, int max_parts = 16) {
   const int parts = std::max(1, std::min(max_parts, kExpertBlocksPerSm * sm_count_or_default(c) / c.num_local));
   return dim3(c.num_local, parts);
+}
+
+// Blocks of a kThreads-thread kernel whose warps share `items` work items over the whole grid: one item per warp, at
+// most one wave of kExpertBlocksPerSm blocks per SM (such kernels may spin on peers' flags: see combine_recv_grid).
+inline int one_wave_blocks(const Ctx& c, int64_t items) {
+  const int64_t blocks = (items + kThreads / 32 - 1) / (kThreads / 32);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, kExpertBlocksPerSm * sm_count_or_default(c))));
 }
 
 // Combine receive: blocks (token, part), parts splitting H/8 vectors over kCombineRecvThreads-thread blocks.

@@ -8,8 +8,8 @@
 //                   n-2" check).
 //   dispatch recv   blocks (l, part): wait for the R flags of expert l, pack rows in (source, token) order into the
 //                   XLA outputs, then the last block tells every peer "I consumed epoch n".
-//   combine send    blocks (l, part): every valid row of expert l back to its source rank, slot [global e][token];
-//                   the last block of expert l raises the c_flags[e] of every rank.
+//   combine send    the rows of all local experts as one list over a one-wave grid: every valid row back to its
+//                   source rank, slot [global e][token]; the last block raises every c_flags[e] of every rank.
 //   combine recv    blocks (t, part): wait for the flags of t's experts, y[t] = sum_k w[t, k] * row(e_k, t) in f32.
 //
 // Every kernel: open (read the chain state / token, decide) -> body (only when the op works) -> finish (the last block
@@ -52,50 +52,78 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The rows of every local expert as one list (expert, then row): warp items (row, segment) over the whole grid, so
+// an expert with more rows than the others does not hold the kernel back. Every block derives the list from the
+// handle's layout_range: s_off[l][s] = rows of expert l from sources before s, s_first[l] = rows of experts before l.
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
-  const int rows_per_expert = R * Tm, row_bytes = 2 * H;
-  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int rows_per_expert = R * Tm, row_bytes = 2 * H, tid = threadIdx.x;
   const int64_t half = half_offset(c.low_latency, epoch);
-  __shared__ int32_t s_off[kMaxGroupRanks + 1];
-  if (tid == 0) source_offsets(s_off, p.layout_range + l * R, R, Tm);
+  __shared__ int32_t s_off[kMaxLowLatencyExperts];    // [l][s] (E = L * R <= kMaxLowLatencyExperts)
+  __shared__ int32_t s_first[kMaxLowLatencyExperts];  // [l]
+  __shared__ int32_t s_warp[32];
   if (tid < R) wait_consumed(g, tid, epoch);
+  for (int idx = tid; idx < L * R; idx += blockDim.x)  // a corrupted handle never indexes out of bounds
+    s_off[idx] = min(max(__ldg(p.layout_range + idx), 0), Tm);
   __syncthreads();
-  const int total = s_off[R];
+  for (int l = tid; l < L; l += blockDim.x) {
+    int32_t run = 0;
+    for (int s = 0; s < R; ++s) {
+      const int32_t n = s_off[l * R + s];
+      s_off[l * R + s] = run;
+      run += n;
+    }
+    s_first[l] = run;
+  }
+  const int total = block_exclusive_scan(s_first, L, s_warp);
   const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
-  const char* rows = static_cast<const char*>(p.expert_out) + static_cast<int64_t>(l) * rows_per_expert * row_bytes;
-  for (int item = part * num_warps() + warp_id(); item < total * nseg; item += parts * num_warps()) {
-    const int i = item / nseg, seg = item % nseg, off = seg * kSegBytes;
-    const int s = source_of_row(s_off, R, i);
+  const char* expert_out = static_cast<const char*>(p.expert_out);
+  for (int item = global_warp(); item < total * nseg; item += num_global_warps()) {
+    const int row = item / nseg, seg = item % nseg, off = seg * kSegBytes;
+    int l = 0, hi = L - 1;  // the last expert whose rows start at or before `row` (the one holding it)
+    while (l < hi) {
+      const int mid = (l + hi + 1) / 2;
+      if (s_first[mid] <= row) l = mid; else hi = mid - 1;
+    }
+    const int i = row - s_first[l];
+    int s = 0;
+    while (s + 1 < R && i >= s_off[l * R + s + 1]) ++s;
     const int32_t t = __ldg(p.src_info + static_cast<int64_t>(l) * rows_per_expert + i);
     if (t < 0 || t >= Tm) continue;  // a corrupted handle never writes out of bounds
     char* dst = peer_base(g, s) + half + c.low_latency.rows +
                 (static_cast<int64_t>(me * L + l) * Tm + t) * row_bytes + off;
-    copy_segment_nc(dst, rows + static_cast<int64_t>(i) * row_bytes + off, min(kSegBytes, row_bytes - off));
+    copy_segment_nc(dst, expert_out + (static_cast<int64_t>(l) * rows_per_expert + i) * row_bytes + off,
+                    min(kSegBytes, row_bytes - off));
   }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence_system();  // this block's peer stores happen before it is counted
-    uint32_t* blocks_done = reinterpret_cast<uint32_t*>(self_base(g) + c.low_latency.scratch) + l;
-    if (atomicAdd(blocks_done, 1u) == static_cast<uint32_t>(parts - 1)) {
-      atomicExch(blocks_done, 0u);
-      __threadfence_system();
-      for (int d = 0; d < R; ++d)
-        st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.c_flags + 4 * (me * L + l)), epoch);
-    }
+}
+
+// The last block of a working combine send: c_flags[me * L + l] of every local expert l at every rank.
+__device__ __forceinline__ void publish_combine_flags(const CombineSendParams& p, uint32_t epoch) {
+  const Ctx& c = p.c;
+  const GroupCtx& g = c.g;
+  const int R = g.num_ranks, me = g.rank, L = c.num_local;
+  const int64_t half = half_offset(c.low_latency, epoch);
+  for (int idx = threadIdx.x; idx < R * L; idx += blockDim.x) {
+    const int d = idx / L, l = idx % L;
+    __threadfence_system();
+    st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.c_flags + 4 * (me * L + l)), epoch);
   }
 }
 
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
+  __shared__ int32_t s_last;
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
   __syncthreads();
   if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
-  finish_send(p.c.g, p.io, s_gate);
+  if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  if (s_gate.work) publish_combine_flags(p, s_gate.epoch);
+  __syncthreads();
+  if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -139,7 +167,10 @@ Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams&
 
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (p.per_rank) return per_rank::launch_combine_send(p, stream);
-  low_latency_combine_send_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);
+  // (row, segment) items of R * T_max rows per local expert at most
+  const int64_t items = static_cast<int64_t>(p.c.num_local) * p.c.g.num_ranks * p.c.max_tokens *
+                        ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes);
+  low_latency_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
 

@@ -2,13 +2,13 @@
 // rank) instead of one per (token, expert); the outputs are those of per_expert mode (low_latency_kernels.cu), plus the
 // handle's message tables.
 //
-//   dispatch send   low_latency_send.cuh (shared with per_expert mode, launched from low_latency_kernels.cu): one block per token,
-//                   one message per destination rank into [me][position], with a header naming the local expert
-//                   of every top-k slot; the last block publishes each rank's message count and flag.
-//   dispatch recv   blocks (l, part): wait for every source's flag; for each source s in rank order, scan its
-//                   messages in order, pick those naming l, pack them into recv_x[l] (same row order as per_expert:
-//                   source rank, then token) and fill src_info, layout_range, token_rows; expert 0's blocks also
-//                   write msg_token and the -1 entries of token_rows.
+//   dispatch send   low_latency_send.cuh (shared with per_expert mode, launched from low_latency_kernels.cu): one block
+//                   per token, one message per destination rank into [me][position], with a header naming the local
+//                   expert and its row position of every top-k slot; the last block publishes each rank's message
+//                   count and per-expert row counts, then its flag.
+//   dispatch recv   a one-wave grid over the messages: wait for every source's flag, read the row counts, and place
+//                   every message's payload straight at its rows of recv_x (same row order as per_expert: source
+//                   rank, then token); the handle's tables (src_info, layout_range, msg_token, token_rows) alongside.
 //   combine push    one block: this rank's topk_weights [T, K] into every rank's weights area, then w_flags.
 //   combine send    one block per message (s, j): partial = sum over k in order of w[s][t][k] * expert_out[row] in
 //                   f32 (rows from token_rows), stored as bf16 at rank s, slot [me][t]; the last block raises p_flags.
@@ -40,94 +40,107 @@ __device__ __forceinline__ uint32_t* rank_word(char* half_base, const LowLatency
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Every block: wait for every source's flag, then read the counts into shared memory (s_cnt[l][s] rows of local
+// expert l from source s, s_off[l][s] those from sources before s). A message's header names, per top-k slot, the
+// local expert and the row position among its source's rows of that expert, so row i of recv_x[l] for slot k of
+// message (s, j) is s_off[l][s] + position: every block places its share of the messages with no scan and no
+// block-to-block order. Two grid-strided passes, independent of each other:
+//   tables   layout_range, recv_count; per (message, top-k slot) msg_token, token_rows and src_info of the placed
+//            row; src_info -1 past each expert's rows
+//   rows     warp items (message, segment): the segment is loaded once and stored to each distinct local expert of
+//            the message; segment 0 also copies the fp8 scales
+// NOTE (bounds): counts are clamped to [0, T_max], local experts to [0, L) and positions to [0, count): a corrupted
+// message is dropped (its slots -1), never written out of bounds.
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
-  const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, K = p.num_topk, rows_per_expert = R * Tm;
-  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const int warp = warp_id(), lane = lane_id(), nw = num_warps();
+  const int R = g.num_ranks, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk, rows = R * Tm;
+  const int tid = threadIdx.x, lane = lane_id();
+  const int gtid = blockIdx.x * blockDim.x + tid, gthreads = gridDim.x * blockDim.x;
   char* half = self_base(g) + half_offset(c.low_latency, epoch);
-  __shared__ int32_t s_n[kMaxGroupRanks];
-  __shared__ int32_t s_warp_count[kThreads / 32];
-  __shared__ int32_t s_list[kThreads];
+  __shared__ int32_t s_n[kMaxGroupRanks];            // messages from source s
+  __shared__ int32_t s_first[kMaxGroupRanks + 1];    // messages from sources before s
+  __shared__ int32_t s_cnt[kMaxLowLatencyExperts];   // [l][s] (E = L * R <= kMaxLowLatencyExperts)
+  __shared__ int32_t s_off[kMaxLowLatencyExperts];   // [l][s]
   if (tid < R) {
     wait_reached(rank_word(half, c.low_latency, RankWord::kFlags + tid), epoch, g.timeout_ns,
                  "low-latency dispatch receive (per_rank)", g.rank, tid);
     const int32_t n = __ldcg(reinterpret_cast<const int32_t*>(rank_word(half, c.low_latency, RankWord::kCounts + tid)));
     s_n[tid] = min(max(n, 0), Tm);  // never trust a count beyond the slots
   }
+  __syncthreads();  // every flag seen: the counts of every source are readable
+  for (int idx = tid; idx < L * R; idx += blockDim.x)
+    s_cnt[idx] = min(max(__ldcg(reinterpret_cast<const int32_t*>(half + c.low_latency.d_counts) + idx), 0), Tm);
+  if (tid == 0) {
+    s_first[0] = 0;
+    for (int s = 0; s < R; ++s) s_first[s + 1] = s_first[s] + s_n[s];
+  }
+  __syncthreads();
+  for (int l = tid; l < L; l += blockDim.x) {
+    int32_t run = 0;
+    for (int s = 0; s < R; ++s) {
+      s_off[l * R + s] = run;
+      run += s_cnt[l * R + s];
+    }
+  }
   __syncthreads();
   auto message = [&](int s, int j) -> const char* {
     return half + c.low_latency.rows + (static_cast<int64_t>(s) * Tm + j) * c.low_latency.rank_msg_stride;
   };
-  auto slot_id = [&](const char* msg, int k) { return __ldcg(reinterpret_cast<const int32_t*>(msg + 16) + k); };
-  if (l == 0) {  // the message tables' entries no expert block writes: msg_token, and -1 slots of token_rows
-    for (int idx = part * blockDim.x + tid; idx < R * Tm; idx += parts * blockDim.x) {
-      const int s = idx / Tm, j = idx % Tm;
-      const bool valid = j < s_n[s];
-      const char* msg = message(s, j);
-      p.msg_token[idx] = valid ? __ldcg(reinterpret_cast<const int32_t*>(msg)) : -1;
-      for (int k = 0; k < K; ++k)
-        if (!valid || slot_id(msg, k) < 0) p.token_rows[static_cast<int64_t>(idx) * K + k] = -1;
-    }
+  // Flattened row of recv_x (l * rows + i) for slot k of message (s, j), or -1.
+  auto slot_row = [&](const char* msg, int s, int k) -> int32_t {
+    const int32_t l = __ldcg(reinterpret_cast<const int32_t*>(msg + kRankMsgLocalExperts) + k);
+    const int32_t pos = __ldcg(reinterpret_cast<const int32_t*>(msg + kRankMsgPositions) + k);
+    if (l < 0 || l >= L || pos < 0 || pos >= s_cnt[l * R + s]) return -1;
+    return l * rows + s_off[l * R + s] + pos;
+  };
+  // ---- tables ----
+  for (int idx = gtid; idx < L * R; idx += gthreads) p.layout_range[idx] = s_cnt[idx];
+  for (int l = gtid; l < L; l += gthreads) p.recv_count[l] = s_off[l * R + R - 1] + s_cnt[l * R + R - 1];
+  for (int64_t idx = gtid; idx < static_cast<int64_t>(R) * Tm * K; idx += gthreads) {  // one (message, slot) each
+    const int m = static_cast<int>(idx / K), k = static_cast<int>(idx % K), s = m / Tm, j = m % Tm;
+    const bool valid = j < s_n[s];
+    const char* msg = message(s, j);
+    const int32_t token = valid ? __ldcg(reinterpret_cast<const int32_t*>(msg)) : -1;
+    const int32_t row = valid ? slot_row(msg, s, k) : -1;
+    if (k == 0) p.msg_token[m] = token;
+    p.token_rows[idx] = row;
+    if (row >= 0) p.src_info[row] = token;  // a repeated expert writes the same value twice
   }
+  for (int64_t idx = gtid; idx < static_cast<int64_t>(L) * rows; idx += gthreads) {
+    const int l = static_cast<int>(idx / rows), i = static_cast<int>(idx % rows);
+    if (i >= s_off[l * R + R - 1] + s_cnt[l * R + R - 1]) p.src_info[idx] = -1;
+  }
+  // ---- rows ----
   const int payload_bytes = p.use_fp8 ? H : 2 * H;
   const int nseg = (payload_bytes + kSegBytes - 1) / kSegBytes;
   const int S = H / kFp8Block;
-  char* out = static_cast<char*>(p.recv_x) + static_cast<int64_t>(l) * rows_per_expert * payload_bytes;
-  int off = 0;  // rows of expert l from sources < s
-  for (int s = 0; s < R; ++s) {
-    const int n = s_n[s], first = off;
-    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
-      const int j = j0 + tid;
-      bool chosen = false;
-      if (j < n) {
-        const char* msg = message(s, j);
-        for (int k = 0; k < K; ++k) chosen |= (slot_id(msg, k) == l);
-      }
-      const uint32_t ballot = __ballot_sync(0xffffffffu, chosen);
-      if (lane == 0) s_warp_count[warp] = __popc(ballot);
-      __syncthreads();
-      int before = 0, chunk = 0;
-      for (int w = 0; w < nw; ++w) {
-        before += w < warp ? s_warp_count[w] : 0;
-        chunk += s_warp_count[w];
-      }
-      if (chosen) {
-        const int slot = before + __popc(ballot & ((1u << lane) - 1u));
-        const int i = off + slot;  // row in recv_x[l]
-        s_list[slot] = j;
-        if (part == 0) {
-          const char* msg = message(s, j);
-          p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] = __ldcg(reinterpret_cast<const int32_t*>(msg));
-          for (int k = 0; k < K; ++k)
-            if (slot_id(msg, k) == l)
-              p.token_rows[(static_cast<int64_t>(s) * Tm + j) * K + k] = l * rows_per_expert + i;
-        }
-      }
-      __syncthreads();
-      for (int item = part * nw + warp; item < chunk * nseg; item += parts * nw) {
-        const int slot = item / nseg, seg = item % nseg, boff = seg * kSegBytes;
-        copy_segment_cg(out + static_cast<int64_t>(off + slot) * payload_bytes + boff,
-                        message(s, s_list[slot]) + kRankMsgHeader + boff, min(kSegBytes, payload_bytes - boff));
-      }
-      if (p.use_fp8) {
-        float* scales = p.recv_x_scales + static_cast<int64_t>(l) * rows_per_expert * S;
-        for (int idx = part * blockDim.x + tid; idx < chunk * S; idx += parts * blockDim.x) {
-          const int slot = idx / S, col = idx % S;
-          scales[static_cast<int64_t>(off + slot) * S + col] =
-              __ldcg(reinterpret_cast<const float*>(message(s, s_list[slot]) + kRankMsgHeader + H) + col);
-        }
-      }
-      off += chunk;
-      __syncthreads();  // s_list / s_warp_count are reused
+  char* out = static_cast<char*>(p.recv_x);
+  const int messages = s_first[R];
+  for (int item = global_warp(); item < messages * nseg; item += num_global_warps()) {
+    const int m = item / nseg, seg = item % nseg, off = seg * kSegBytes;
+    int s = 0;
+    while (s + 1 < R && m >= s_first[s + 1]) ++s;
+    const char* msg = message(s, m - s_first[s]);
+    int32_t row = lane < K ? slot_row(msg, s, lane) : -1;
+    for (int k = 0; k < K; ++k) {  // a repeated expert's row is stored by its first slot only
+      const int32_t earlier = __shfl_sync(0xffffffffu, row, k);
+      if (k < lane && earlier == row) row = -1;
     }
-    if (part == 0 && tid == 0) p.layout_range[l * R + s] = off - first;
-  }
-  if (part == 0) {
-    if (tid == 0) p.recv_count[l] = off;
-    for (int i = off + tid; i < rows_per_expert; i += blockDim.x)
-      p.src_info[static_cast<int64_t>(l) * rows_per_expert + i] = -1;
+    uint32_t targets = __ballot_sync(0xffffffffu, row >= 0);
+    const int bytes = min(kSegBytes, payload_bytes - off);
+    int4 v[4];
+    load_segment_cg(msg + kRankMsgHeader + off, bytes, v);
+    while (targets != 0u) {
+      const int k = __ffs(targets) - 1;
+      targets &= targets - 1u;
+      const int32_t r = __shfl_sync(0xffffffffu, row, k);
+      store_segment(out + static_cast<int64_t>(r) * payload_bytes + off, bytes, v);
+      if (p.use_fp8 && seg == 0)
+        for (int col = lane; col < S; col += 32)
+          p.recv_x_scales[static_cast<int64_t>(r) * S + col] =
+              __ldcg(reinterpret_cast<const float*>(msg + kRankMsgHeader + H) + col);
+    }
   }
 }
 
@@ -306,7 +319,11 @@ Status preload_kernels() {
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
-  low_latency_per_rank_dispatch_recv_kernel<<<expert_grid(p.c), kThreads, 0, stream>>>(p);  // one wave, like per_expert's
+  // (message, segment) items of R * T_max messages at most
+  const int payload_bytes = p.use_fp8 ? p.c.hidden : 2 * p.c.hidden;
+  const int64_t items = static_cast<int64_t>(p.c.g.num_ranks) * p.c.max_tokens *
+                        ((payload_bytes + kSegBytes - 1) / kSegBytes);
+  low_latency_per_rank_dispatch_recv_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
   return launched("low-latency dispatch receive (per_rank)");
 }
 

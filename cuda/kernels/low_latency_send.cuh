@@ -1,16 +1,18 @@
-// The low-latency dispatch send of both modes (per_expert: low_latency_kernels.cu, per_rank: low_latency_per_rank_kernels.cu's mode),
-// one template: token-major, block b takes tokens b, b + grid, ... For each token it finds its distinct
-// destinations (experts, or ranks in per_rank mode) and its position among the tokens sent to each (token order:
-// the order the receiver packs), reads the row ONCE (fp8: quantizes it once into shared memory) and writes one
-// message per destination. Counts per destination are summed in this rank's LL scratch words (atomics); the last
-// block to finish publishes every destination's count and flag (its threads in parallel) and resets the counters.
+// The low-latency dispatch send of both modes (per_expert: low_latency_kernels.cu, per_rank:
+// low_latency_per_rank_kernels.cu's mode), one template: token-major, block b takes tokens b, b + grid, ... For each
+// token it finds its distinct destinations (experts, or ranks in per_rank mode) and its position among the tokens
+// sent to each (token order: the order the receiver packs), reads the row ONCE (fp8: quantizes it once into shared
+// memory) and writes one message per destination. Counts are summed in this rank's LL scratch words (atomics); the
+// last block to finish publishes every count and flag (its threads in parallel) and resets the counters.
 //   per_expert  message at the owner's slot [l][me][position], header {token}; count/flag d_counts/d_flags[l][me]
-//   per_rank    message at rank d's slot [me][position], header {token, local expert of every top-k slot or -1};
-//               count/flag r_counts/r_flags[me]
+//   per_rank    message at rank d's slot [me][position], header {token, local expert and row position of every
+//               top-k slot (-1 elsewhere)}; counts r_counts[me] (messages) and d_counts[l][me] (rows of each local
+//               expert l), then the flag r_flags[me]: the receiver places every row without scanning the messages
 // NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
 // NOTE (ordering of the publish): every block fenced its peer stores (__threadfence_system) before counting itself
-// done; the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags.
+// done; the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags
+// (per_rank: all counts of a destination, __syncthreads, then the flag).
 #pragma once
 
 #include "kernels/low_latency_device.cuh"
@@ -32,6 +34,8 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ int32_t s_pos[kMaxTopk];
   __shared__ int32_t s_ids[kMaxTopk];
   __shared__ int32_t s_part[kSendThreads / 32][kMaxTopk];
+  __shared__ int32_t s_epos[kMaxTopk];                          // per_rank: row position of each slot's expert
+  __shared__ int32_t s_epart[kPerRank ? kSendThreads / 32 : 1][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
   if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);  // token_slots' first __syncthreads orders the rest
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;  // fp8: q then the S scales
@@ -39,8 +43,19 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (kPerRank && threadIdx.x < K) s_ids[threadIdx.x] = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + threadIdx.x);
-    token_slots(p.topk_idx, t, K, E, kPerRank ? L : 1, s_dest, s_pos, s_part);
-    if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
+    if (kPerRank) {
+      token_slots<true>(p.topk_idx, t, K, E, L, s_dest, s_pos, s_part, s_epos, s_epart);
+      if (threadIdx.x < K) {
+        const int k = threadIdx.x;
+        if (s_dest[k] >= 0) atomicAdd(counts + kLowLatencyScratchRanks + s_dest[k], 1u);  // one message per rank
+        bool first = s_epos[k] >= 0;  // one row per distinct expert
+        for (int j = 0; j < k; ++j) first &= s_ids[j] != s_ids[k];
+        if (first) atomicAdd(counts + s_ids[k], 1u);
+      }
+    } else {
+      token_slots(p.topk_idx, t, K, E, 1, s_dest, s_pos, s_part);
+      if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
+    }
     const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
     if (p.use_fp8) {  // quantize once into shared memory: [H fp8 | S f32], the message payload as it goes out
       for (int seg = warp; seg < nseg_in; seg += nw)
@@ -64,10 +79,11 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
         copy_segment_nc(msg + header + off, reinterpret_cast<const char*>(row) + off, bytes);
       if (seg != 0) continue;
       if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-      if (kPerRank && lane < kMaxTopk) {  // the local expert of every top-k slot on rank d (-1 elsewhere)
+      if (kPerRank && lane < kMaxTopk) {  // the local expert and row position of every top-k slot on rank d
         const int32_t e = lane < K ? s_ids[lane] : -1;
         const bool here = layout::valid_expert(e, E) && e / L == d;
-        reinterpret_cast<int32_t*>(msg + 16)[lane] = here ? e % L : -1;
+        reinterpret_cast<int32_t*>(msg + kRankMsgLocalExperts)[lane] = here ? e % L : -1;
+        reinterpret_cast<int32_t*>(msg + kRankMsgPositions)[lane] = here ? s_epos[lane] : -1;
       }
     }
     __syncthreads();  // s_dest / s_pos / s_ids / s_row are reused by the next token
@@ -82,17 +98,28 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
   const int R = g.num_ranks, me = g.rank, L = c.num_local;
   const int64_t half = half_offset(c.low_latency, epoch);
   uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.low_latency.scratch);
-  for (int dest = threadIdx.x; dest < (kPerRank ? R : c.num_experts); dest += blockDim.x) {
-    const int d = kPerRank ? dest : dest / L;
-    char* dst_half = peer_base(g, d) + half;
+  if (kPerRank) {
+    for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
+      *reinterpret_cast<volatile int32_t*>(peer_base(g, e / L) + half + c.low_latency.d_counts +
+                                           4 * ((e % L) * R + me)) = static_cast<int32_t>(atomicExch(counts + e, 0u));
+    for (int d = threadIdx.x; d < R; d += blockDim.x)
+      *reinterpret_cast<volatile int32_t*>(peer_base(g, d) + half + c.low_latency.rank_words +
+                                           4 * (RankWord::kCounts + me)) =
+          static_cast<int32_t>(atomicExch(counts + kLowLatencyScratchRanks + d, 0u));
+    __syncthreads();  // every count of every destination is stored before any flag
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {
+      __threadfence_system();
+      st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.rank_words + 4 * (RankWord::kFlags + me)),
+                     epoch);  // every destination, 0 messages too
+    }
+    return;
+  }
+  for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
+    char* dst_half = peer_base(g, dest / L) + half;
     const int32_t n = static_cast<int32_t>(atomicExch(counts + dest, 0u));
-    const int64_t count_at = kPerRank ? c.low_latency.rank_words + 4 * (RankWord::kCounts + me)
-                                      : c.low_latency.d_counts + 4 * ((dest % L) * R + me);
-    const int64_t flag_at = kPerRank ? c.low_latency.rank_words + 4 * (RankWord::kFlags + me)
-                                     : c.low_latency.d_flags + 4 * ((dest % L) * R + me);
-    *reinterpret_cast<volatile int32_t*>(dst_half + count_at) = n;
+    *reinterpret_cast<volatile int32_t*>(dst_half + c.low_latency.d_counts + 4 * ((dest % L) * R + me)) = n;
     __threadfence_system();
-    st_release_sys(header_word(dst_half, flag_at), epoch);  // every destination, 0 messages too
+    st_release_sys(header_word(dst_half, c.low_latency.d_flags + 4 * ((dest % L) * R + me)), epoch);  // 0 rows too
   }
 }
 

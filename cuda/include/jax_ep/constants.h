@@ -25,10 +25,17 @@ constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
 constexpr int64_t kSignalHeaderBytes = 12288;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
 
 // ---- low-latency mode ----
-constexpr int64_t kMaxLowLatencyExperts = 1024;  // per-expert scratch counters of the combine sender (E <= 1024)
-constexpr int64_t kLowLatencyScratchBytes = 4 * kMaxLowLatencyExperts;
+constexpr int64_t kMaxLowLatencyExperts = 1024;  // E <= 1024
+// Scratch counters of the send kernels: u32 per expert (kMaxLowLatencyExperts), then u32 per rank (kMaxGroupRanks:
+// per_rank mode's messages per destination).
+constexpr int64_t kLowLatencyScratchRanks = kMaxLowLatencyExperts;  // word index of the per-rank counters
+constexpr int64_t kLowLatencyScratchBytes = 4 * (kMaxLowLatencyExperts + kMaxGroupRanks);
 constexpr int64_t kLowLatencyMsgHeader = 16;     // bytes before the payload of a dispatch message
-constexpr int64_t kRankMsgHeader = 80;           // per_rank mode: i32 token, 12 pad, i32 local expert x kMaxTopk
+// per_rank mode's message header: i32 token, 12 pad | i32 local expert per top-k slot (-1: none here), kMaxTopk |
+// i32 row position per top-k slot (the token's place among this source's rows of that expert, -1: none), kMaxTopk.
+constexpr int64_t kRankMsgLocalExperts = 16;
+constexpr int64_t kRankMsgPositions = kRankMsgLocalExperts + 4 * kMaxTopk;
+constexpr int64_t kRankMsgHeader = kRankMsgPositions + 4 * kMaxTopk;
 constexpr int32_t kMaxLowLatencyInFlight = 2;    // LL ops between their send and their receive (buffer halves)
 // The RDMA words of the LL region (NVSHMEM puts, EPConfig.allow_nvlink_for_low_latency=False), at offsets that do
 // not depend on the config, so every config of an axis finds them at the same place: consumed counters u64

@@ -144,7 +144,7 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 }
 
 // ---- low-latency mode -----------------------------------------------------------------------------------------
-//   region = [scratch: u32 per local expert (kMaxLowLatencyExperts) | RDMA words (kLowLatencyNvshmemBytes) | half 0 |
+//   region = [scratch counters (kLowLatencyScratchBytes) | RDMA words (kLowLatencyNvshmemBytes) | half 0 |
 //             half 1]
 //
 // LL ops (dispatch and combine alike) take consecutive epochs n = 1, 2, ... from one device counter; op n uses
@@ -166,7 +166,8 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 //                                       w_flags[s]: combine weights from source s; p_flags[d]: combine partial
 //                                       rows from rank d (written by d)
 //   rows        dispatch: messages [R][T_max], rank_msg_stride bytes each:
-//                 [i32 source token, 12 pad | i32 local expert (or -1) per top-k slot, kMaxTopk | payload | scales]
+//                 [header (kRankMsgHeader: source token, local expert and row position per top-k slot) |
+//                  payload | scales]; d_counts[l][s] = rows of local expert l in source s's messages
 //               combine: partial sums [R][T_max] of 2H bytes, row (d, t) = rank d's weighted sum for token t
 //   weights     f32 [R][T_max][kMaxTopk]: source s's topk_weights, for the combine on the expert side
 //
