@@ -13,6 +13,7 @@ Process 0 writes every gathered output to --out (.npz) so the test can compare t
 Prints `RESULT <what> ...` lines; any failed check raises (non-zero exit).
 """
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -63,9 +64,16 @@ E, K, T, H = 8 * R, 4, a.tokens, a.hidden
 
 
 def configs(hidden=H):
-    return {b: jax_ep.EPConfig(E, hidden, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0,
-                               allow_nvlink_for_low_latency=not a.ll_over_nvshmem)
-            for b in ("cuda", "reference")}
+    """Per backend, the config of every op; where the low-latency ops run the NVLink kernels (R <= num_max_nvl_peers,
+    NVLink allowed) also a per_rank config ("<backend> per_rank": low_latency_mode="per_rank" has no NVSHMEM
+    kernels)."""
+    out = {}
+    for b in ("cuda", "reference"):
+        out[b] = jax_ep.EPConfig(E, hidden, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0,
+                                 allow_nvlink_for_low_latency=not a.ll_over_nvshmem)
+        if not a.ll_over_nvshmem and R <= a.nvl:
+            out[f"{b} per_rank"] = dataclasses.replace(out[b], low_latency_mode="per_rank")
+    return out
 
 
 cfgs = configs()
@@ -155,7 +163,7 @@ q_scales = np.abs(rng.normal(size=(G, T, H // 128))).astype(np.float32) + 0.5
 args = (xs, put(idx), put(w), put(q), put(q_scales), put(scale), put(cot))
 
 
-def program(cfg):
+def program(cfg, cfg_per_rank=None):
     def body(x, idx, w, q, qs, scale, cot):
         out = jax_ep.dispatch(x, idx, w, cfg)
         y, yw = jax_ep.combine(out.recv_x, out.handle, cfg, out.recv_topk_weights)
@@ -186,6 +194,12 @@ def program(cfg):
                    ll_layout_range=ll16.handle.layout_range, ll_fp8_recv_count=ll8.recv_count,
                    ll_fp8_scales=valid_rows(ll8.recv_x_scales, ll8.recv_count),
                    llfp8_x=valid_rows(ll8.recv_x, ll8.recv_count), y_ll=y_ll)
+        if cfg_per_rank is not None:  # per_rank mode: the same rows as per_expert, plus its message tables
+            pr = jax_ep.low_latency_dispatch(x, idx, cfg_per_rank, use_fp8=False)
+            pr_rows = valid_rows(pr.recv_x, pr.recv_count)
+            res.update(ll_pr_recv_x=pr_rows, ll_pr_recv_count=pr.recv_count, ll_pr_src_info=pr.handle.src_info,
+                       ll_pr_msg_token=pr.handle.msg_token, ll_pr_token_rows=pr.handle.token_rows,
+                       y_ll_pr=jax_ep.low_latency_combine(pr_rows, idx, w, pr.handle, cfg_per_rank))
         return res
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 7, out_specs=spec))
@@ -209,12 +223,19 @@ def call_attrs(hlo, target, name):
 # which kernels the lowered program calls (nvshmem = 1: the NVSHMEM kernels; EPConfig.low_latency_over_nvshmem for the
 # LL targets, EPConfig.normal_over_nvshmem for dispatch / cached dispatch / combine)
 hlo = program(cfgs["cuda"]).trace(*args).lower().as_text()
+
+
+def cuda_program():
+    return program(cfgs["cuda"], cfgs.get("cuda per_rank"))
+
+
+
 LL_TARGETS, NORMAL_TARGETS = r"@jax_ep_low_latency_", r"@jax_ep_(dispatch|cached_dispatch|combine)_v"
 result("ll_kernels", nvshmem=call_attrs(hlo, LL_TARGETS, "nvshmem"),
        nvl_domain=call_attrs(hlo, LL_TARGETS, "nvl_domain"))
 result("normal_kernels", nvshmem=call_attrs(hlo, NORMAL_TARGETS, "nvshmem"))
-got = host(program(cfgs["cuda"])(*args))
-want = host(program(cfgs["reference"])(*args))
+got = host(cuda_program()(*args))
+want = host(program(cfgs["reference"], cfgs.get("reference per_rank"))(*args))
 exact = [k for k in got if not k.startswith(("y", "grad", "llfp8"))]
 for k in exact:
     np.testing.assert_array_equal(bits(got[k]), bits(want[k]), err_msg=f"{k}: cuda != reference")
@@ -223,8 +244,12 @@ np.testing.assert_allclose(got["yw"], want["yw"], rtol=1e-5, atol=1e-6)
 # fp8 quantized in the kernel: within one e4m3 step of XLA's conversion (same sign, |code difference| <= 1)
 ca, cb = got["llfp8_x"].view(np.uint8).astype(int), want["llfp8_x"].view(np.uint8).astype(int)
 assert (((ca ^ cb) & 0x80 == 0) & (np.abs((ca & 0x7F) - (cb & 0x7F)) <= 1) | ((ca | cb) & 0x7F == 0)).all()
-y_ll_err = np.max(np.abs(got["y_ll"].astype(np.float64) - want["y_ll"].astype(np.float64)))
-assert y_ll_err <= 2 ** -7 * max(1.0, np.max(np.abs(want["y_ll"].astype(np.float64)))), y_ll_err
+for k in ("y_ll", "y_ll_pr") if "y_ll_pr" in got else ("y_ll",):
+    y_ll_err = np.max(np.abs(got[k].astype(np.float64) - want[k].astype(np.float64)))
+    assert y_ll_err <= 2 ** -7 * max(1.0, np.max(np.abs(want[k].astype(np.float64)))), (k, y_ll_err)
+if "ll_pr_recv_x" in got:  # per_rank moves the same rows as per_expert
+    for k in ("recv_x", "recv_count", "src_info"):
+        np.testing.assert_array_equal(bits(got[f"ll_pr_{k}"]), bits(got[f"ll_{k}"]), err_msg=f"per_rank {k}")
 for k in ("grad_x", "grad_w"):
     ga, gb = got[k].astype(np.float64), want[k].astype(np.float64)
     rel = np.linalg.norm(ga - gb) / np.linalg.norm(gb)
@@ -239,7 +264,7 @@ assert jax_ep.runtime.current() is None
 rt2 = jax_ep.initialize(mesh, *cfgs.values())
 if per_gpu:
     assert rt2.timings["bootstrap"] == 0.0, rt2.timings  # NVSHMEM stayed up; teams and buffers are new
-again = host(program(cfgs["cuda"])(*args))
+again = host(cuda_program()(*args))
 for k in got:
     np.testing.assert_array_equal(bits(again[k]), bits(got[k]), err_msg=f"{k} after finalize + initialize")
 result("reinitialize", ok=True, timings=json.dumps({k: round(v * 1e3, 2) for k, v in rt2.timings.items()}))
@@ -257,7 +282,7 @@ if a.mismatch and nproc > 1:
         assert "disagree on the setup" in msg and ".hidden" in msg, msg
         result("mismatch", seconds=f"{time.perf_counter() - t:.2f}", error=msg.replace(chr(10), " ")[:300])
     jax_ep.initialize(mesh, *cfgs.values())
-    again = host(program(cfgs["cuda"])(*args))
+    again = host(cuda_program()(*args))
     np.testing.assert_array_equal(bits(again["recv_x"]), bits(got["recv_x"]))
     result("after_mismatch", ok=True)
 
