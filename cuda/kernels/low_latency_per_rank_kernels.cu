@@ -10,8 +10,9 @@
 //                   every message's payload straight at its rows of recv_x (same row order as per_expert: source
 //                   rank, then token); the handle's tables (src_info, layout_range, msg_token, token_rows) alongside.
 //   combine push    one block: this rank's topk_weights [T, K] into every rank's weights area, then w_flags.
-//   combine send    one block per message (s, j): partial = sum over k in order of w[s][t][k] * expert_out[row] in
-//                   f32 (rows from token_rows), stored as bf16 at rank s, slot [me][t]; the last block raises p_flags.
+//   combine send    warp items (message (s, j), segment) over a one-wave grid: partial = sum over k in order of
+//                   w[s][t][k] * expert_out[row] in f32 (rows from token_rows), stored as bf16 at rank s, slot
+//                   [me][t]; the last block raises p_flags.
 //   combine recv    blocks (t, part): wait for the p_flags of t's ranks; y[t] = sum over them (ascending) in f32.
 //
 // Protocol (epochs, halves, state/token, consumed words) as in low_latency_kernels.cu (low_latency_protocol.cuh); layout of the
@@ -177,55 +178,69 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
   }
 }
 
+// Warp items (message, segment) over the whole grid: the warp's lanes < K read the message's rows and weights (each
+// lane that has a row first waits for source s's weights: w_flags[s]), then every lane sums its 4 vectors of the
+// segment (two passes of 2) over the rows in k order (fmaf in f32, the SPEC's order) and stores the bf16 partial
+// at rank s.
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
-  const int tid = threadIdx.x, n8 = H / 8;
+  const int lane = lane_id(), row_bytes = 2 * H, nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
   const int64_t half = half_offset(c.low_latency, epoch);
   char* self_half = self_base(g) + half;
   const int64_t num_rows = static_cast<int64_t>(L) * R * Tm;
-  __shared__ int64_t s_row[kMaxTopk];
-  __shared__ float s_w[kMaxTopk];
-  __shared__ int32_t s_token;
-  for (int m = blockIdx.x; m < R * Tm; m += gridDim.x) {
-    const int s = m / Tm;
-    if (tid == 0) {
-      const int32_t t = __ldg(p.msg_token + m);
-      s_token = (t >= 0 && t < Tm) ? t : -1;  // a corrupted handle never writes out of bounds
-      if (s_token >= 0)
+  const char* expert_out = static_cast<const char*>(p.expert_out);
+  for (int item = global_warp(); item < R * Tm * nseg; item += num_global_warps()) {
+    const int m = item / nseg, seg = item % nseg, off = seg * kSegBytes, s = m / Tm;
+    const int32_t t = __ldg(p.msg_token + m);
+    if (t < 0 || t >= Tm) continue;  // no message in this slot (or a corrupted handle: never out of bounds)
+    int64_t row = -1;
+    float w = 0.0f;
+    if (lane < K) {
+      const int32_t r = __ldg(p.token_rows + static_cast<int64_t>(m) * K + lane);
+      if (r >= 0 && r < num_rows) {
         wait_reached(rank_word(self_half, c.low_latency, RankWord::kWeightFlags + s), epoch, g.timeout_ns,
                      "low-latency combine send (per_rank, weights)", g.rank, s);
-    }
-    __syncthreads();
-    const int t = s_token;
-    if (t >= 0 && tid < K) {
-      const int32_t row = __ldg(p.token_rows + static_cast<int64_t>(m) * K + tid);
-      const bool ok = row >= 0 && row < num_rows;
-      s_row[tid] = ok ? row : -1;
-      s_w[tid] = ok ? __ldcg(reinterpret_cast<const float*>(self_half + c.low_latency.weights) +
-                             (static_cast<int64_t>(s) * Tm + t) * kMaxTopk + tid)
-                    : 0.0f;
-    }
-    __syncthreads();
-    if (t >= 0) {
-      char* dst = peer_base(g, s) + half + c.low_latency.rows + (static_cast<int64_t>(me) * Tm + t) * 2 * H;
-      for (int ci = tid; ci < n8; ci += blockDim.x) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k = 0; k < K; ++k) {
-          if (s_row[k] < 0) continue;
-          fma_bf16x8(acc, s_w[k], ld_nc_v4(reinterpret_cast<const int4*>(static_cast<const char*>(p.expert_out) +
-                                                                      s_row[k] * 2 * H) + ci));
-        }
-        const int4 o = pack_bf16x8(acc);
-        st_v4(reinterpret_cast<int4*>(dst) + ci, o);
+        row = r;
+        w = __ldcg(reinterpret_cast<const float*>(self_half + c.low_latency.weights) +
+                   (static_cast<int64_t>(s) * Tm + t) * kMaxTopk + lane);
       }
     }
-    __syncthreads();  // s_token / s_row / s_w are reused
+    const int n16 = min(kSegBytes, row_bytes - off) / 16;
+    char* dst = peer_base(g, s) + half + c.low_latency.rows + (static_cast<int64_t>(me) * Tm + t) * row_bytes + off;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // two passes of 2 vectors per lane (4 would spill under the 64-register cap)
+      float acc[2][8];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const int64_t rk = __shfl_sync(0xffffffffu, row, k);
+        const float wk = __shfl_sync(0xffffffffu, w, k);
+        if (rk < 0) continue;  // warp-uniform
+        const int4* src = reinterpret_cast<const int4*>(expert_out + rk * row_bytes + off);
+        int4 v[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int j = (2 * h + u) * 32 + lane;
+          if (j < n16) v[u] = ld_nc_v4(src + j);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          if ((2 * h + u) * 32 + lane < n16) fma_bf16x8(acc[u], wk, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int j = (2 * h + u) * 32 + lane;
+        if (j < n16) st_v4(reinterpret_cast<int4*>(dst) + j, pack_bf16x8(acc[u]));
+      }
+    }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) low_latency_per_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) low_latency_per_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   if (threadIdx.x == 0)
@@ -330,8 +345,10 @@ Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   low_latency_per_rank_combine_push_kernel<<<1, kCombineRecvThreads, 0, stream>>>(p);
   JAX_EP_RETURN_IF_ERROR(launched("low-latency combine weight push (per_rank)"));
-  const int messages = p.c.g.num_ranks * p.c.max_tokens;
-  low_latency_per_rank_combine_send_kernel<<<std::max(1, std::min(messages, 2 * sm_count_or_default(p.c))), kThreads, 0, stream>>>(p);
+  // (message, segment) items of R * T_max messages at most
+  const int64_t items = static_cast<int64_t>(p.c.g.num_ranks) * p.c.max_tokens *
+                        ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes);
+  low_latency_per_rank_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send (per_rank)");
 }
 
