@@ -24,7 +24,7 @@ MAX_TOPK = 16                   # kMaxTopk: K, experts per token
 MAX_GROUP_RANKS = 256           # kMaxGroupRanks: R, ranks per EP group (per-rank header words, rank masks)
 MAX_NVL_PEERS = 8               # kMaxNvlPeers: R of a normal-mode group on the NVLink kernels (R <= num_max_nvl_peers)
 MAX_NORMAL_EXPERTS = 8192       # kMaxLayoutExperts: E in normal mode (per-expert counters in shared memory)
-MAX_LOW_LATENCY_EXPERTS = 1024  # kMaxLowLatencyExperts: E in low-latency mode (combine sender's scratch counters)
+MAX_LOW_LATENCY_EXPERTS = 1024  # kMaxLowLatencyExperts: E in low-latency mode (per-expert counters, shared arrays)
 FP8_BLOCK = 128                 # kFp8Block: channels per fp8 scale; fp8 needs H % FP8_BLOCK == 0
 # Rows move as 16-byte vectors: a bf16 row (2 * H bytes) must be a multiple of 16 bytes, so H % 8 == 0. The C++
 # side checks the literal (xla_ffi/normal_ffi.cc `row_bytes % 16 == 0`, xla_ffi/op_state.cc `hidden % 8`).

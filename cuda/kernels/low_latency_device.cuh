@@ -142,6 +142,7 @@ __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
 // (a repeated expert gets the position of its first slot), -1 for an invalid id: the row the expert's receiver
 // gives token t among this source's rows. s_part / s_epart: [num_warps][kMaxTopk] of shared memory.
 // All threads; ends with __syncthreads.
+static_assert(kSendThreads >= 32 + kMaxTopk, "token_slots<true>: warp 1 sums the expert positions of K slots");
 template <bool kExpertPositions = false>
 __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int K, int E, int div, int32_t* s_dest,
                                            int32_t* s_pos, int32_t (*s_part)[kMaxTopk], int32_t* s_epos = nullptr,

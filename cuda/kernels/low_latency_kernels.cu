@@ -19,8 +19,9 @@
 // spins with ld.acquire.sys, then __syncthreads, then reads peer-written data with ld.cg (L1 is not coherent with
 // peer stores).
 // NOTE: the receive kernels spin inside their (at most ~2 x SMs) blocks instead of in a separate one-warp kernel:
-// for latency, one kernel launch less. They only wait for send kernels that were queued before them on every GPU,
-// and they leave most of each SM's thread slots free, so other streams can still make progress.
+// for latency, one kernel launch less. They only wait for kernels that were queued before them on every GPU, and
+// their grids are at most one wave (one_wave_blocks, combine_recv_grid), so no block waits for one that cannot be
+// scheduled. A full wave may hold most of an SM's registers; other streams' kernels then wait for it to end.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -52,6 +53,8 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+static_assert(kMaxLowLatencyExperts <= 2 * kThreads, "block_exclusive_scan of one count per local expert");
+
 // The rows of every local expert as one list (expert, then row): warp items (row, segment) over the whole grid, so
 // an expert with more rows than the others does not hold the kernel back. Every block derives the list from the
 // handle's layout_range: s_off[l][s] = rows of expert l from sources before s, s_first[l] = rows of experts before l.

@@ -50,8 +50,9 @@ __device__ __forceinline__ uint32_t* rank_word(char* half_base, const LowLatency
 //            row; src_info -1 past each expert's rows
 //   rows     warp items (message, segment): the segment is loaded once and stored to each distinct local expert of
 //            the message; segment 0 also copies the fp8 scales
-// NOTE (bounds): counts are clamped to [0, T_max], local experts to [0, L) and positions to [0, count): a corrupted
-// message is dropped (its slots -1), never written out of bounds.
+// NOTE (bounds): counts are clamped to [0, T_max], local experts to [0, L) and positions to [0, count): a slot naming
+// anything else is -1 in token_rows and places no row, so nothing is written out of bounds (the token in a message
+// header is copied to msg_token / src_info as sent).
 __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;

@@ -12,7 +12,7 @@
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
 // NOTE (ordering of the publish): every block fenced its peer stores (__threadfence_system) before counting itself
 // done; the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags
-// (per_rank: all counts of a destination, __syncthreads, then the flag).
+// (per_rank: the counts of every destination, __syncthreads, then each destination's flag).
 #pragma once
 
 #include "kernels/low_latency_device.cuh"
@@ -29,7 +29,9 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   const int T = p.num_tokens, warp = warp_id(), lane = lane_id(), nw = num_warps();
   const int64_t half = half_offset(c.low_latency, epoch);
   const int header = kPerRank ? kRankMsgHeader : kLowLatencyMsgHeader;
-  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.low_latency.scratch);  // [E or R], zero between kernels
+  // [E] rows per expert, then (per_rank) [kMaxGroupRanks] messages per rank at kLowLatencyScratchRanks; zero between
+  // kernels
+  uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.low_latency.scratch);
   __shared__ int32_t s_dest[kMaxTopk];
   __shared__ int32_t s_pos[kMaxTopk];
   __shared__ int32_t s_ids[kMaxTopk];
@@ -86,7 +88,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
         reinterpret_cast<int32_t*>(msg + kRankMsgPositions)[lane] = here ? s_epos[lane] : -1;
       }
     }
-    __syncthreads();  // s_dest / s_pos / s_ids / s_row are reused by the next token
+    __syncthreads();  // s_dest / s_pos / s_epos / s_ids / s_row are reused by the next token
   }
 }
 
@@ -98,7 +100,7 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
   const int R = g.num_ranks, me = g.rank, L = c.num_local;
   const int64_t half = half_offset(c.low_latency, epoch);
   uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(g) + c.low_latency.scratch);
-  if (kPerRank) {
+  if constexpr (kPerRank) {
     for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
       *reinterpret_cast<volatile int32_t*>(peer_base(g, e / L) + half + c.low_latency.d_counts +
                                            4 * ((e % L) * R + me)) = static_cast<int32_t>(atomicExch(counts + e, 0u));
@@ -112,14 +114,14 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
       st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.rank_words + 4 * (RankWord::kFlags + me)),
                      epoch);  // every destination, 0 messages too
     }
-    return;
-  }
-  for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
-    char* dst_half = peer_base(g, dest / L) + half;
-    const int32_t n = static_cast<int32_t>(atomicExch(counts + dest, 0u));
-    *reinterpret_cast<volatile int32_t*>(dst_half + c.low_latency.d_counts + 4 * ((dest % L) * R + me)) = n;
-    __threadfence_system();
-    st_release_sys(header_word(dst_half, c.low_latency.d_flags + 4 * ((dest % L) * R + me)), epoch);  // 0 rows too
+  } else {
+    for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
+      char* dst_half = peer_base(g, dest / L) + half;
+      const int32_t n = static_cast<int32_t>(atomicExch(counts + dest, 0u));
+      *reinterpret_cast<volatile int32_t*>(dst_half + c.low_latency.d_counts + 4 * ((dest % L) * R + me)) = n;
+      __threadfence_system();
+      st_release_sys(header_word(dst_half, c.low_latency.d_flags + 4 * ((dest % L) * R + me)), epoch);  // 0 rows too
+    }
   }
 }
 

@@ -155,7 +155,8 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 //
 //   c_flags  u32[E]          combine: epoch at which the owner of expert e finished writing its rows here
 //   d_flags  u32[L][R]       dispatch: epoch at which source rank s finished writing its rows of local expert l
-//   d_counts i32[L][R]       dispatch: rows source s wrote for local expert l (valid once d_flags says so)
+//   d_counts i32[L][R]       dispatch: rows source s wrote for local expert l (valid once d_flags[l][s] says so;
+//                            per_rank mode: once r_flags[s] says so)
 //   rows                     dispatch: messages [L][R][T_max], msg_stride bytes each:
 //                              [i32 source token, 12 bytes pad | payload (H fp8 or 2H bf16) | fp8: S f32 scales]
 //                            combine:  rows [E][T_max] of 2H bytes (bf16), row (e, t) = expert e's output for t
