@@ -128,7 +128,8 @@ __device__ __forceinline__ void source_offsets(int32_t* off, const int32_t* layo
   for (int s = 0; s < R; ++s) off[s + 1] = off[s] + min(max(__ldg(layout_range_row + s), 0), Tm);
 }
 
-// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (R <= 8).
+// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (reads off[1..R-1]; a linear
+// scan: O(R) per row).
 __device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
   int s = 0;
   while (s + 1 < R && i >= off[s + 1]) ++s;

@@ -91,8 +91,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
       if (s_first[mid] <= row) l = mid; else hi = mid - 1;
     }
     const int i = row - s_first[l];
-    int s = 0;
-    while (s + 1 < R && i >= s_off[l * R + s + 1]) ++s;
+    const int s = source_of_row(s_off + l * R, R, i);  // reads s_off[l][1..R-1] only
     const int32_t t = __ldg(p.src_info + static_cast<int64_t>(l) * rows_per_expert + i);
     if (t < 0 || t >= Tm) continue;  // a corrupted handle never writes out of bounds
     char* dst = peer_base(g, s) + half + c.low_latency.rows +

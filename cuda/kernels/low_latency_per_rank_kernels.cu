@@ -121,8 +121,7 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
   const int messages = s_first[R];
   for (int item = global_warp(); item < messages * nseg; item += num_global_warps()) {
     const int m = item / nseg, seg = item % nseg, off = seg * kSegBytes;
-    int s = 0;
-    while (s + 1 < R && m >= s_first[s + 1]) ++s;
+    const int s = source_of_row(s_first, R, m);  // the source whose messages hold valid message m
     const char* msg = message(s, m - s_first[s]);
     int32_t row = lane < K ? slot_row(msg, s, lane) : -1;
     for (int k = 0; k < K; ++k) {  // a repeated expert's row is stored by its first slot only
