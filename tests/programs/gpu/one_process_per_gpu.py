@@ -205,6 +205,11 @@ def program(cfg, cfg_per_rank=None):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 7, out_specs=spec))
 
 
+def cuda_program():
+    """The CUDA backend's program, with the per_rank ops where that config exists."""
+    return program(cfgs["cuda"], cfgs.get("cuda per_rank"))
+
+
 def host(res):
     g = multihost_utils.process_allgather(res, tiled=True)
     return {k: np.asarray(v) for k, v in g.items()}
@@ -223,13 +228,6 @@ def call_attrs(hlo, target, name):
 # which kernels the lowered program calls (nvshmem = 1: the NVSHMEM kernels; EPConfig.low_latency_over_nvshmem for the
 # LL targets, EPConfig.normal_over_nvshmem for dispatch / cached dispatch / combine)
 hlo = program(cfgs["cuda"]).trace(*args).lower().as_text()
-
-
-def cuda_program():
-    return program(cfgs["cuda"], cfgs.get("cuda per_rank"))
-
-
-
 LL_TARGETS, NORMAL_TARGETS = r"@jax_ep_low_latency_", r"@jax_ep_(dispatch|cached_dispatch|combine)_v"
 result("ll_kernels", nvshmem=call_attrs(hlo, LL_TARGETS, "nvshmem"),
        nvl_domain=call_attrs(hlo, LL_TARGETS, "nvl_domain"))
