@@ -78,7 +78,13 @@ def test_moe_layer_gradients_match_dense(num_ranks, dp):
 
     ep_val, ep_grads = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1)))(params, x)
     dn_val, dn_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1)))(params, x)
-    np.testing.assert_allclose(ep_val, dn_val, rtol=1e-4, err_msg=f"seed {seed}")
+    # The loss sums terms of both signs: its rounding scales with the terms' magnitudes, not with the sum (a relative
+    # bound on the sum fails when the terms cancel). A misrouted token moves it by about one token's terms, about
+    # 1 / (groups * R * tokens) of the magnitude, far above this bound.
+    dense_out = jax.jit(jax.vmap(lambda xs: dense_layer(params, xs)))(x)
+    magnitude = float(jnp.sum(jnp.abs(dense_out * cot)))
+    assert abs(float(ep_val) - float(dn_val)) <= 1e-6 * magnitude, (
+        f"seed {seed}: loss {float(ep_val)} against {float(dn_val)} (terms' magnitude {magnitude})")
     flat_ep, _ = jax.tree.flatten(ep_grads)
     flat_dn, tree = jax.tree.flatten(dn_grads)
     for name, a, b in zip(jax.tree.leaves(jax.tree.unflatten(tree, [str(i) for i in range(len(flat_dn))])),
