@@ -75,7 +75,7 @@ Status device_check(double timeout_s, std::vector<int32_t>* out);
 // Test hook (JAX_EP_TEST_COUNT_REMOTE_BYTES=1 before initialize): bytes of low-latency rows this process's device
 // put to remote peers since the last reset (device/low_latency.h).
 Status remote_put_bytes(bool reset, uint64_t* out);
-// Test hook (JAX_EP_TEST_LOW_LATENCY_PHASES=1 before initialize): (name, summed ns from a block's start, stamps) per phase of
+// Test hook (JAX_EP_TEST_PHASES=1 before initialize): (name, summed ns from a block's start, stamps) per phase of
 // the NVSHMEM low-latency kernels since the last reset (device/phase_stamps.cuh).
 Status low_latency_phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns,
                  std::vector<uint64_t>* hits);

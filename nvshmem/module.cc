@@ -168,7 +168,7 @@ NB_MODULE(_jax_ep_nvshmem, m) {
       },
       nb::arg("reset") = false,
       "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVSHMEM low-latency kernels since the last "
-      "reset; stamped only when JAX_EP_TEST_LOW_LATENCY_PHASES=1 was set before initialize (nvshmem/device/phase_stamps.cuh)");
+      "reset; stamped only when JAX_EP_TEST_PHASES=1 was set before initialize (nvshmem/device/phase_stamps.cuh)");
   m.def(
       "low_latency_nvshmem_ops",
       []() -> nb::object {

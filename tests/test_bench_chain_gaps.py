@@ -38,13 +38,14 @@ def test_device_ops_keeps_gpu_processes_only():
 
 def test_phase_table_means_per_stamp_and_skips_unstamped_phases():
     rows = [("send: consumed waited", 3000, 2), ("recv: body done", 0, 0), ("recv: last block reached", 9000, 3)]
-    assert phase_table(rows) == ["| phase (NVSHMEM LL kernels) | stamps | mean us from the block's start |",
+    assert phase_table("NVSHMEM LL kernels", rows) == [
+        "| phase (NVSHMEM LL kernels) | stamps | mean us from the block's start |",
                                  "| send: consumed waited | 2 | 1.50 |", "| recv: last block reached | 3 | 3.00 |"]
 
 
 def test_phase_reader_is_off_without_the_variable(monkeypatch):
-    monkeypatch.delenv("JAX_EP_TEST_LOW_LATENCY_PHASES", raising=False)
-    assert _phase_reader() is None
+    monkeypatch.delenv("JAX_EP_TEST_PHASES", raising=False)
+    assert _phase_reader("normal") is None and _phase_reader("low_latency") is None
 
 
 def test_period_of_normal_mode_from_its_one_send_kernel_per_call():

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "jax_ep/api.h"
 #include "jax_ep/peer_group.h"
 #include "jax_ep/nvshmem_ops.h"
 #include "jax_ep/staging_layout.h"
@@ -315,6 +316,25 @@ NB_MODULE(_jax_ep_native, m) {
       "What the CUDA driver says of the allocation holding a device pointer (e.g. a jax.Array's "
       "unsafe_buffer_pointer()): direct buffers can use a cudaMalloc allocation (legacy_ipc 1) or a virtual-memory "
       "mapping every device of the group may read and write (access 3 for each); never a pool (from_pool).");
+  m.def(
+      "test_phases",
+      [](bool reset) {
+        std::vector<std::string> names;
+        std::vector<uint64_t> ns, hits;
+        jax_ep::Status st;
+        {
+          nb::gil_scoped_release release;
+          st = jax_ep::normal::phases(reset, &names, &ns, &hits);
+        }
+        if (!st.ok()) throw std::runtime_error(st.message());
+        nb::list out;
+        for (size_t i = 0; i < names.size(); ++i) out.append(nb::make_tuple(names[i], ns[i], hits[i]));
+        return out;
+      },
+      nb::arg("reset") = false,
+      "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVLink normal-mode kernels since the last "
+      "reset, over this process's devices; stamped only when JAX_EP_TEST_PHASES=1 was set before initialize "
+      "(cuda/common/phase_stamps.cuh).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },
         "(major, minor) of the XLA FFI headers this module was compiled against; XLA rejects handlers newer than "

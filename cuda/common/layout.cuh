@@ -14,11 +14,13 @@ namespace jax_ep::layout {
 constexpr int kRankChunk = 64;
 constexpr int kMaskWords = (kMaxGroupRanks + 63) / 64;
 
-// Scratch the caller provides in shared memory.
-struct BlockSmem {
-  int32_t warp_count[kLayoutThreads / 32][kRankChunk];  // per tile and rank chunk: tokens of each warp sent to each rank
-  int32_t rank_base[kMaxGroupRanks];                   // running count per rank over the tiles done
+// Scratch the caller provides in shared memory, for blocks of kThreads threads.
+template <int kThreads>
+struct TileSmem {
+  int32_t warp_count[kThreads / 32][kRankChunk];  // per tile and rank chunk: tokens of each warp sent to each rank
+  int32_t rank_base[kMaxGroupRanks];              // running count per rank over the tiles done
 };
+using BlockSmem = TileSmem<kLayoutThreads>;
 
 // Bit r of a token's rank set, held as kMaskWords registers (the unrolled word select keeps them out of local memory).
 __device__ __forceinline__ bool has_rank(const uint64_t (&mask)[kMaskWords], int r) {
@@ -29,22 +31,29 @@ __device__ __forceinline__ bool has_rank(const uint64_t (&mask)[kMaskWords], int
   return (word >> (r & 63)) & 1u;
 }
 
-// Must be called by all kLayoutThreads threads of one block. s_expert: [E] s32 in shared memory.
-// NOTE: tokens are taken in tiles of kLayoutThreads, one per thread, so a warp ballot + a scan over the 32 warp
-// counts gives each token its position among the tokens sent to a rank in token order (SPEC: rows by token index).
-__device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_expert) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int kWarps = kLayoutThreads / 32;
-  const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
-  const int L = E / R;
-  for (int e = tid; e < E; e += kLayoutThreads) s_expert[e] = 0;
-  for (int r = tid; r < R; r += kLayoutThreads) sm.rank_base[r] = 0;
+// Zeroes what range_layout accumulates into: s_expert [E] and sm.rank_base [R]. Every thread of the block.
+template <int kThreads>
+__device__ __forceinline__ void clear_layout_counts(const Params& p, TileSmem<kThreads>& sm, int32_t* s_expert) {
+  for (int e = threadIdx.x; e < p.num_experts; e += kThreads) s_expert[e] = 0;
+  for (int r = threadIdx.x; r < p.num_ranks; r += kThreads) sm.rank_base[r] = 0;
   __syncthreads();
+}
 
+// Layout of tokens [begin, end) by all kThreads threads of one block: per-rank counts added to sm.rank_base,
+// per-expert counts to s_expert ([E] s32 in shared memory), send_pos[t, r] = sm.rank_base[r] at the call + the
+// position of t among the range's tokens sent to r (else -1), is_token_in_rank when asked.
+// NOTE: tokens are taken in tiles of kThreads, one per thread, so a warp ballot + a scan over the warp counts gives
+// each token its position among the tokens sent to a rank in token order (SPEC: rows by token index).
+template <int kThreads>
+__device__ inline void range_layout(const Params& p, int begin, int end, TileSmem<kThreads>& sm, int32_t* s_expert) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kWarps = kThreads / 32;
+  const int K = p.num_topk, E = p.num_experts, R = p.num_ranks;
+  const int L = E / R;
   const unsigned lt_mask = (1u << lane) - 1u;
-  for (int tile = 0; tile < T; tile += kLayoutThreads) {
+  for (int tile = begin; tile < end; tile += kThreads) {
     const int t = tile + tid;
-    const bool valid = t < T;
+    const bool valid = t < end;
     uint64_t mask[kMaskWords];
 #pragma unroll
     for (int w = 0; w < kMaskWords; ++w) mask[w] = 0;
@@ -93,6 +102,12 @@ __device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_e
       __syncthreads();  // warp_count is rewritten by the next chunk or tile
     }
   }
+}
+
+// The whole layout of a rank's tokens by one block of kLayoutThreads threads.
+__device__ inline void block_layout(const Params& p, BlockSmem& sm, int32_t* s_expert) {
+  clear_layout_counts<kLayoutThreads>(p, sm, s_expert);
+  range_layout<kLayoutThreads>(p, 0, p.num_tokens, sm, s_expert);
 }
 
 }  // namespace jax_ep::layout

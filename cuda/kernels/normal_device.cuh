@@ -25,9 +25,8 @@ constexpr int kSendUnroll = 8;
 // Combine sender: 8 vectors in flight per lane (one store per load).
 constexpr int kCombineUnroll = 8;
 
-// Dispatch notify, before the barrier: the routing layout of this rank's tokens (send_pos, per-rank counts in
-// sm.rank_base, per-expert counts in s_expert). Called by every thread of the one notify block.
-__device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::BlockSmem& sm, int32_t* s_expert) {
+// The layout target's view of a dispatch's routing (send_pos out, no is_token_in_rank).
+__device__ __forceinline__ layout::Params notify_layout_params(const DispatchParams& p) {
   layout::Params lp{};
   lp.topk_idx = p.topk_idx;
   lp.send_pos = p.send_pos;
@@ -35,7 +34,13 @@ __device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::B
   lp.num_topk = p.num_topk;
   lp.num_experts = p.num_experts;
   lp.num_ranks = p.g.num_ranks;
-  layout::block_layout(lp, sm, s_expert);
+  return lp;
+}
+
+// Dispatch notify of one block (the NVSHMEM kernels), before the barrier: the routing layout of this rank's tokens
+// (send_pos, per-rank counts in sm.rank_base, per-expert counts in s_expert). Called by every thread of the block.
+__device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::BlockSmem& sm, int32_t* s_expert) {
+  layout::block_layout(notify_layout_params(p), sm, s_expert);
   __syncthreads();
 }
 
@@ -67,8 +72,21 @@ __device__ __forceinline__ void notify_outputs(const DispatchParams& p) {
 }
 
 // The staging row of token t on rank d (-1: not sent there, or cut by that rank's capacity); any lane, d < R.
+// With chunked_send_pos, the one call for (t, d) also completes send_pos[t, d] (SendArgs).
 __device__ __forceinline__ int32_t token_row(const SendArgs& a, int t, int d) {
-  const int32_t sp = __ldg(a.send_pos + static_cast<int64_t>(t) * a.g.num_ranks + d);
+  const int64_t at = static_cast<int64_t>(t) * a.g.num_ranks + d;
+  int32_t sp;
+  if (a.chunked_send_pos != nullptr) {
+    // written by the notify kernel, rewritten here: plain loads, not the read-only path
+    sp = a.chunked_send_pos[at];
+    if (sp >= 0) {
+      const int32_t* chunk_first = reinterpret_cast<const int32_t*>(self_base(a.g) + a.g.layout.notify_scratch);
+      sp += __ldg(chunk_first + (t / a.chunk_tokens) * a.g.num_ranks + d);
+      a.chunked_send_pos[at] = sp;
+    }
+  } else {
+    sp = __ldg(a.send_pos + at);
+  }
   if (sp < 0) return -1;
   const int32_t row = __ldg(a.send_row_offset + d) + sp;
   return row < a.capacity ? row : -1;

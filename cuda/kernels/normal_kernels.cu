@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "common/copy.cuh"
+#include "common/phase_stamps.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
 #include "common/layout.cuh"
@@ -33,6 +34,25 @@ namespace {
 constexpr int kCopyThreads = 512;
 constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per step (local copy-out)
 
+// The test hook's phases of these kernels (common/phase_stamps.cuh; names in normal_phase_names).
+enum NormalPhase : int {
+  kPhaseNotifyLayout = 0,   // notify: routing layout done (the last block: every chunk added up)
+  kPhaseNotifyArrived,      // notify: this op's epoch taken, every rank told this rank entered it
+  kPhaseNotifyPublished,    // notify: counts and receive targets stored into every rank (block barrier)
+  kPhaseNotifySignalled,    // notify: thread 0's count signal (to rank 0) stored
+  kPhaseNotifyExchanged,    // notify: every rank's count signal of this op seen (block barrier)
+  kPhaseNotifyOutputs,      // notify: handle counts written
+  kPhaseSendBlockDone,      // send rows, each block: its tokens stored (block barrier)
+  kPhaseCombineBarrier,     // combine publish + barrier: done
+  kNormalPhases
+};
+static_assert(kNormalPhases <= kMaxPhases, "PhaseSums holds every phase");
+__device__ PhaseSums g_normal_phases;
+PhaseDevices& normal_phase_devices() {
+  static PhaseDevices d;
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Barrier kernel (cached dispatch, combine, group warm-up).
 __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ GroupCtx g) { group_barrier_block(g, "barrier"); }
@@ -48,15 +68,68 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant_
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Dispatch step 1 (one block): layout + send_pos, barrier, count exchange, handle counts.
-__global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
-  __shared__ layout::BlockSmem sm;
+// Dispatch step 1: layout + send_pos, count exchange, handle counts. Block b lays out chunk b of the tokens
+// (notify_chunk_tokens each) with send_pos relative to the chunk; the last block to finish adds up the chunks (the
+// per-rank prefix over chunks goes to the notify scratch, for the send kernel to complete send_pos), then does the
+// exchange alone, so only one block ever waits for peers.
+// NOTE (no barrier): the count exchange is this op's only rendezvous. Every region this kernel writes into a peer
+// (counts, expert_counts, recv_targets) is read by that peer only in its notify and send-rows kernels, which end
+// before its data signal; this rank waited for that signal of the previous dispatch (wait_data_kernel), and any other
+// op in between (combine, cached dispatch) has a barrier of its own. Staging rows are written only by the send that
+// follows, after this rank has seen every peer's count signal of this op, i.e. after every peer has finished all of
+// its earlier ops. The arrival counts (kBarrierIn) are still raised, without waiting, so later barriers keep
+// counting ops.
+__global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
+  __shared__ layout::TileSmem<kNotifyThreads> sm;
+  __shared__ bool s_last;
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
-  const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
-  notify_layout(p, sm, s_expert);  // before the barrier: purely local work overlaps the wait for peers
+  const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R, E = p.num_experts;
+  char* self = self_base(g);
+  int32_t* chunk_counts = reinterpret_cast<int32_t*>(self + g.layout.notify_scratch);  // [kMaxNotifyBlocks][R]
+  int32_t* chunk_experts = chunk_counts + kMaxNotifyBlocks * R;                         // [kMaxNotifyBlocks][E]
+  phase_begin(g_normal_phases);
 
-  const uint32_t epoch = group_barrier_block(g, "dispatch notify barrier");
+  const layout::Params lp = notify_layout_params(p);
+  const int chunk = notify_chunk_tokens(p.num_tokens);
+  const int begin = static_cast<int>(blockIdx.x) * chunk;
+  const int end = min(p.num_tokens, begin + chunk);
+  layout::clear_layout_counts<kNotifyThreads>(lp, sm, s_expert);
+  layout::range_layout<kNotifyThreads>(lp, begin, end, sm, s_expert);
+  __syncthreads();
+  if (gridDim.x > 1) {
+    for (int r = tid; r < R; r += blockDim.x) chunk_counts[blockIdx.x * R + r] = sm.rank_base[r];
+    for (int e = tid; e < E; e += blockDim.x) chunk_experts[blockIdx.x * E + e] = s_expert[e];
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();  // this block's counts before its ticket
+      uint32_t* done = header_word(self, SignalHeader::kBlockDone);
+      s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+      if (s_last) atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // the other blocks' counts (each fenced before its ticket) after this block's ticket
+    for (int r = tid; r < R; r += blockDim.x) {  // chunk counts -> each chunk's first position; the rank totals
+      int32_t running = 0;
+      for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {
+        const int32_t n = __ldcg(chunk_counts + c * R + r);
+        chunk_counts[c * R + r] = running;
+        running += n;
+      }
+      sm.rank_base[r] = running;
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
+      int32_t n = 0;
+      for (int c = 0; c < static_cast<int>(gridDim.x); ++c) n += __ldcg(chunk_experts + c * E + e);
+      s_expert[e] = n;
+    }
+    __syncthreads();
+  }
+  phase_stamp(g_normal_phases, kPhaseNotifyLayout);
+
+  const uint32_t epoch = group_arrive_block(g, false);
+  phase_stamp(g_normal_phases, kPhaseNotifyArrived);
 
   // Publish my row of the count matrix and my per-expert counts for each destination's experts.
   for (int i = tid; i < R * R; i += blockDim.x) {
@@ -82,11 +155,15 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
     *reinterpret_cast<RecvTargets*>(peer_base(g, d) + g.layout.recv_targets + me * kRecvTargetBytes) = t;
   }
   __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseNotifyPublished);
   for (int d = tid; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kCountFlag, epoch);
+  phase_stamp(g_normal_phases, kPhaseNotifySignalled);
   for (int s = tid; s < R; s += blockDim.x) wait_peer(g, s, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
   __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseNotifyExchanged);
 
   notify_outputs(p);
+  phase_stamp(g_normal_phases, kPhaseNotifyOutputs);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -95,6 +172,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_notify_kernel(cons
 // With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows there.
 __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_constant__ SendArgs a) {
   __shared__ RecvTargets s_targets[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+  phase_begin(g_normal_phases);
   const uint32_t epoch = current_epoch(a.g);
   if (a.direct) {
     // written by the peers before their count signals, which this op's notify waited for
@@ -108,6 +186,8 @@ __global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_co
     token_rows<kMaxNvlPeers>(a, t, 0, rows);
     store_token<kMaxNvlPeers>(a, t, 0, rows, a.direct ? s_targets : nullptr);
   }
+  __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseSendBlockDone);
   finish_and_signal_data(a.g, epoch);
 }
 
@@ -215,7 +295,9 @@ __global__ void __launch_bounds__(32, 1) combine_publish_barrier_kernel(const __
     *reinterpret_cast<CombineSource*>(combine_sources(peer_base(g, d), current_epoch(g) + 1) +
                                       g.rank * SignalHeader::kCombineSourceBytes) = mine;
   __threadfence_system();
+  phase_begin(g_normal_phases);
   group_barrier_block(g, "combine barrier");
+  phase_stamp(g_normal_phases, kPhaseCombineBarrier);
 }
 
 // Pull mode of this combine (normal_params.h: CombineSource): every rank published its inputs. Any thread, after
@@ -430,6 +512,7 @@ Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, 
 }  // namespace
 
 Status preload_kernels() {
+  JAX_EP_RETURN_IF_ERROR(normal_phase_devices().arm(g_normal_phases));
   return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
                   reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
                   reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(combine_send_kernel),
@@ -437,6 +520,20 @@ Status preload_kernels() {
                   reinterpret_cast<const void*>(combine_wait_kernel),
                   reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>),
                   reinterpret_cast<const void*>(combine_reduce_kernel<float>)});
+}
+
+Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
+  static const char* const kNames[] = {"notify: layout done",        "notify: arrivals posted",
+                                       "notify: counts published",   "notify: count signal sent",
+                                       "notify: counts exchanged",
+                                       "notify: outputs written",    "send rows: block's tokens stored",
+                                       "combine: publish + barrier done"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
+  JAX_EP_RETURN_IF_ERROR(normal_phase_devices().read(g_normal_phases, reset, ns, hits));
+  names->assign(kNames, kNames + kNormalPhases);
+  ns->resize(kNormalPhases);
+  hits->resize(kNormalPhases);
+  return Status::Ok();
 }
 
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
@@ -448,11 +545,14 @@ Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream) {
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(p.g, &ops));
+  int notify_blocks = 1;
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->dispatch_notify(p, stream)));
   } else {
     const size_t smem = sizeof(int32_t) * static_cast<size_t>(p.num_experts);
-    dispatch_notify_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
+    notify_blocks = (p.num_tokens + notify_chunk_tokens(p.num_tokens) - 1) / notify_chunk_tokens(p.num_tokens);
+    notify_blocks = notify_blocks < 1 ? 1 : notify_blocks;
+    dispatch_notify_kernel<<<notify_blocks, kNotifyThreads, smem, stream>>>(p);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
 
@@ -472,6 +572,10 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   s.experts_per_rank = p.num_experts / p.g.num_ranks;
   s.write_src_idx = true;
   s.direct = ops == nullptr;  // the NVSHMEM kernels neither publish nor read RecvTargets
+  if (notify_blocks > 1) {
+    s.chunked_send_pos = p.send_pos;
+    s.chunk_tokens = notify_chunk_tokens(p.num_tokens);
+  }
 
   RecvArgs r{};
   r.g = p.g;

@@ -1,6 +1,7 @@
 // Device side of the peer transport (both process models): the narrow interface the kernels use.
 //   peer_base(g, r)        load/store pointer to rank r's staging buffer (NVLink peer mapping, or this GPU's own)
-//   group_barrier_block()  every rank has arrived at this op (monotonic counters, no reset between calls)
+//   group_arrive_block()   this rank has entered this op (monotonic counters, no reset between calls)
+//   group_barrier_block()  ... and every rank has
 //   signal_peer()          publish "my writes to you for this epoch are done" (release, system scope)
 //   wait_peer()            bounded acquire wait for such a signal
 // An NVSHMEM transport (one process per GPU) provides the same four with nvshmem_ptr-filled PeerTables.
@@ -35,21 +36,36 @@ __device__ __forceinline__ uint32_t current_epoch(const GroupCtx& g) {
   return *reinterpret_cast<volatile uint32_t*>(self_base(g) + SignalHeader::kBarrierEpoch);
 }
 
-// Called by every thread of one block (any blockDim: each thread signals and waits for ranks tid, tid + blockDim,
-// ...). Returns the new epoch.
+// Called by every thread of one block (any blockDim: thread i serves ranks i, i + blockDim, ...): takes this op's
+// epoch and tells every rank that this rank has entered the op, without waiting for anyone. Returns the new epoch.
+// release: the arrival orders this rank's earlier writes before it (a barrier's); without, it only counts the op
+// (a later barrier's release arrival orders them).
 // NOTE: barrier_in[s] on rank r counts the ops rank s has entered; barrier_epoch counts the ops rank r has entered.
-// Both only grow (wrap-safe compares), so no host reset is ever needed and CUDA-graph replays stay correct. A rank
-// can be at most one op ahead of a peer: it cannot pass the next barrier before the peer arrives there.
-__device__ __forceinline__ uint32_t group_barrier_block(const GroupCtx& g, const char* what) {
+// Both only grow (wrap-safe compares), so no host reset is ever needed and CUDA-graph replays stay correct. Every op
+// arrives exactly once, so on every rank the epoch of an op is the same number.
+__device__ __forceinline__ uint32_t group_arrive_block(const GroupCtx& g, bool release) {
   char* self = self_base(g);
   const uint32_t epoch = current_epoch(g) + 1;
   __syncthreads();  // everyone has read the old epoch before thread 0 advances it below
-  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
-    red_add_release_sys(header_word(peer_base(g, s), SignalHeader::kBarrierIn + 4 * g.rank), 1u);
-  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
-    wait_reached(header_word(self, SignalHeader::kBarrierIn + 4 * s), epoch, g.timeout_ns, what, g.rank, s);
-  __syncthreads();
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x) {
+    uint32_t* word = header_word(peer_base(g, s), SignalHeader::kBarrierIn + 4 * g.rank);
+    if (release)
+      red_add_release_sys(word, 1u);
+    else
+      red_add_relaxed_sys(word, 1u);
+  }
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(self + SignalHeader::kBarrierEpoch) = epoch;
+  return epoch;
+}
+
+// group_arrive_block, then the wait until every rank has entered this op. Returns the new epoch.
+// NOTE: a rank can be at most one op ahead of a peer: it cannot pass the next barrier, or the count exchange of a
+// dispatch, before the peer arrives there.
+__device__ __forceinline__ uint32_t group_barrier_block(const GroupCtx& g, const char* what) {
+  const uint32_t epoch = group_arrive_block(g, true);
+  for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
+    wait_reached(header_word(self_base(g), SignalHeader::kBarrierIn + 4 * s), epoch, g.timeout_ns, what, g.rank, s);
+  __syncthreads();
   return epoch;
 }
 

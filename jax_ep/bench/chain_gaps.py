@@ -11,8 +11,9 @@ then per operation (name up to its first '(' or '<'): launches, median duration;
 operations: the median gap between the first one's end and the second one's start. A period well above the sum of
 the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
 
-With JAX_EP_TEST_LOW_LATENCY_PHASES=1 in the environment (before initialize) the NVSHMEM low-latency kernels also stamp named
-points (nvshmem/device/phase_stamps.cuh) and the report adds, per phase, the mean time from a block's start.
+With JAX_EP_TEST_PHASES=1 in the environment (before initialize) the NVLink normal-mode kernels and the NVSHMEM
+low-latency kernels also stamp named points (cuda/common/phase_stamps.cuh) and the report adds, per phase of the
+contender's kernels, the mean time from a block's start.
 """
 
 from __future__ import annotations
@@ -73,24 +74,30 @@ def sweeps_of(args, argv) -> list:
     return out
 
 
-def phase_table(rows) -> list:
+def phase_table(label: str, rows) -> list:
     """Markdown lines of the phase stamps [(name, summed ns, stamps)]: mean us from a block's start per stamp."""
-    lines = ["| phase (NVSHMEM LL kernels) | stamps | mean us from the block's start |"]
+    lines = [f"| phase ({label}) | stamps | mean us from the block's start |"]
     for name, ns, hits in rows:
         if hits:
             lines.append(f"| {name} | {hits} | {ns / hits / 1e3:.2f} |")
     return lines
 
 
-def _phase_reader():
-    """The NVSHMEM module's test_low_latency_phases when JAX_EP_TEST_LOW_LATENCY_PHASES=1 and the module has it, else None."""
-    if os.environ.get("JAX_EP_TEST_LOW_LATENCY_PHASES") != "1":
+def _phase_reader(mode: str):
+    """(label, reader) of the phase stamps of this mode's kernels when JAX_EP_TEST_PHASES=1: the native module's
+    test_phases (NVLink normal-mode kernels) or the NVSHMEM module's test_low_latency_phases; None when off or when
+    this build has no such reader."""
+    if os.environ.get("JAX_EP_TEST_PHASES") != "1":
         return None
+    if mode == "normal":
+        from jax_ep import _native
+
+        return "NVLink normal-mode kernels", _native.module().test_phases
     from jax_ep.runtime import nvshmem as nvshmem_runtime
 
     try:
-        return getattr(nvshmem_runtime.module(), "test_low_latency_phases", None)
-    except Exception:  # no NVSHMEM module in this build
+        return "NVSHMEM LL kernels", getattr(nvshmem_runtime.module(), "test_low_latency_phases")
+    except Exception:  # no NVSHMEM module (or no device library) in this build
         return None
 
 
@@ -144,13 +151,15 @@ def main(argv=None) -> int:
             print("| gap after | before | count | median us | max us |")
             for (a, b), v in sorted(gaps.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
                 print(f"| {a} | {b} | {len(v)} | {statistics.median(v):.1f} | {max(v):.1f} |")
-            read_phases = _phase_reader() if mode == "low_latency" else None  # stamps: the LL kernels only
-            if read_phases is not None:  # untraced loops: the stamps of this contender only
+            reader = _phase_reader(mode)
+            if reader is not None:  # untraced loops: the stamps of this contender only
+                label, read_phases = reader
                 try:
                     read_phases(True)
-                    for _ in range(3):
-                        jax.block_until_ready(loop(*cargs))
-                    print("\n".join(phase_table(read_phases(True))))
+                    with case.setting():
+                        for _ in range(3):
+                            jax.block_until_ready(loop(*cargs))
+                    print("\n".join(phase_table(label, read_phases(True))))
                 except RuntimeError as e:  # e.g. no NVSHMEM device library, or NVSHMEM not running here
                     print(f"no phase stamps: {str(e).splitlines()[0][:200]}")
     return 0

@@ -46,9 +46,7 @@ __device__ uint32_t g_count_remote_bytes;
 __device__ uint32_t g_test_all_peers_remote;
 __device__ unsigned long long g_remote_bytes;
 // The phase sums of the test hook (phase_stamps.cuh).
-__device__ uint32_t g_time_phases;
-__device__ unsigned long long g_phase_ns[kLowLatencyPhases];
-__device__ unsigned long long g_phase_hits[kLowLatencyPhases];
+__device__ PhaseSums g_low_latency_phases;
 
 namespace {
 
@@ -195,12 +193,12 @@ struct NvshmemWait {
   __device__ __forceinline__ int32_t source_count(const Ctx& c, const char*, uint32_t epoch, int l, int s) const {
     const int i = l * c.g.num_ranks + s;
     const uint64_t word = wait_signal(signal_words(c, epoch) + i, c, "low-latency dispatch receive (NVSHMEM)", i);
-    phase_stamp(kPhaseRecvWaited);
+    phase_stamp(g_low_latency_phases, kPhaseRecvWaited);
     return static_cast<int32_t>(announced(word) / static_cast<uint32_t>(parts));
   }
   __device__ __forceinline__ void expert_rows(const Ctx& c, char*, uint32_t epoch, int e) const {
     wait_signal(signal_words(c, epoch) + e, c, "low-latency combine receive (NVSHMEM)", e);
-    phase_stamp(kPhaseRecvWaited);
+    phase_stamp(g_low_latency_phases, kPhaseRecvWaited);
   }
 };
 
@@ -216,13 +214,13 @@ __device__ __forceinline__ void nvshmem_receive_frame(const Params& p, Body body
   const Ctx& c = p.c;
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
-  phase_begin();
+  phase_begin(g_low_latency_phases);
   if (threadIdx.x == 0) open_recv(p.io, &s_gate);
   __syncthreads();
   if (s_gate.work) body(s_gate.epoch);  // block-uniform
-  phase_stamp(kPhaseRecvBody);
+  phase_stamp(g_low_latency_phases, kPhaseRecvBody);
   if (!last_block_all(low_latency_word(c.g, SignalHeader::kLowLatencyRecvDone), &s_last)) return;
-  phase_stamp(kPhaseRecvLast);
+  phase_stamp(g_low_latency_phases, kPhaseRecvLast);
   if (s_gate.work) {
     uint64_t* words = signal_words(c, s_gate.epoch);
     for (int i = threadIdx.x; i < c.num_experts; i += blockDim.x) {
@@ -230,7 +228,7 @@ __device__ __forceinline__ void nvshmem_receive_frame(const Params& p, Body body
       words[i] = 0;
     }
     __syncthreads();
-    phase_stamp(kPhaseRecvReset);
+    phase_stamp(g_low_latency_phases, kPhaseRecvReset);
     // One thread per rank (thread 0 adding them one by one cost ~2.7 us at R=2): each fences at system scope first,
     // so every reset of the block (ordered before it by the __syncthreads) is visible before any sender sees its
     // count.
@@ -238,7 +236,7 @@ __device__ __forceinline__ void nvshmem_receive_frame(const Params& p, Body body
       __threadfence_system();
       add_to_word(c, consumed_words(c) + kMaxGroupRanks * (s_gate.epoch & 1u) + c.g.rank, 1, d, is_direct(c, d));
     }
-    phase_stamp(kPhaseRecvConsumed);  // thread 0's add done
+    phase_stamp(g_low_latency_phases, kPhaseRecvConsumed);  // thread 0's add done
   }
   if (threadIdx.x == 0) end_recv(c.g, p.io, s_gate);
 }
@@ -284,7 +282,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
       s_direct[d] = is_direct(c, d);
       wait_consumed_nvshmem(c, d, epoch);
     }
-    phase_stamp_lane0(kPhaseSendConsumed);
+    phase_stamp_lane0(g_low_latency_phases, kPhaseSendConsumed);
   };
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;
   const int msg_bytes = static_cast<int>(kLowLatencyMsgHeader) + payload_bytes;
@@ -310,7 +308,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
     if (threadIdx.x == 0) *reinterpret_cast<int4*>(slot) = make_int4(t, 0, 0, 0);
     __threadfence();
     __syncthreads();  // the whole message is in the slot before any warp puts it
-    if (t == static_cast<int>(blockIdx.x)) phase_stamp(kPhaseSendStaged);
+    if (t == static_cast<int>(blockIdx.x)) phase_stamp(g_low_latency_phases, kPhaseSendStaged);
     for (int item = warp; item < K * parts; item += nw) {
       const int k = item / parts, off = (item % parts) * part_bytes;
       const int dest = s_dest[k];
@@ -321,7 +319,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
                    s_direct[d]);
     }
     __syncthreads();  // s_dest / s_pos are reused by the next token
-    if (t == static_cast<int>(blockIdx.x)) phase_stamp(kPhaseSendPut);
+    if (t == static_cast<int>(blockIdx.x)) phase_stamp(g_low_latency_phases, kPhaseSendPut);
   }
   if (waiter && static_cast<int>(blockIdx.x) >= T) wait_peers();
 }
@@ -331,7 +329,7 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_dispatch_send_kernel(con
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
   const Ctx& c = p.c;
-  phase_begin();
+  phase_begin(g_low_latency_phases);
   if (threadIdx.x == 0)
     open_send(c.g, p.io, p.fused, p.num_tokens,
               p.fused ? "low-latency dispatch (NVSHMEM)" : "low-latency dispatch send (NVSHMEM)", &s_gate,
@@ -339,7 +337,7 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_dispatch_send_kernel(con
   __syncthreads();
   if (s_gate.work) dispatch_send_body(p, s_gate.epoch, part_bytes);  // block-uniform
   if (!last_block_all(low_latency_word(c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
-  phase_stamp(kPhaseSendLast);
+  phase_stamp(g_low_latency_phases, kPhaseSendLast);
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.low_latency.scratch);
     uint64_t* signals = signal_words(c, s_gate.epoch);
@@ -352,7 +350,7 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_dispatch_send_kernel(con
     }
   }
   __syncthreads();
-  phase_stamp(kPhaseSendAnnounced);
+  phase_stamp(g_low_latency_phases, kPhaseSendAnnounced);
   if (threadIdx.x == 0) finish_send_last(c.g, p.io, s_gate);
 }
 
@@ -530,23 +528,16 @@ Status preload_kernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_count_remote_bytes, &on, sizeof(on)));
   const uint32_t all_remote = all_peers_remote() ? 1u : 0u;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_test_all_peers_remote, &all_remote, sizeof(all_remote)));
-  const char* phases = std::getenv("JAX_EP_TEST_LOW_LATENCY_PHASES");
-  const uint32_t time_phases = phases != nullptr && std::string(phases) == "1" ? 1u : 0u;
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_time_phases, &time_phases, sizeof(time_phases)));
+  JAX_EP_RETURN_IF_ERROR(phase_sums_arm(g_low_latency_phases));
   return Status::Ok();
 }
 
 Status low_latency_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
-  ns->assign(kLowLatencyPhases, 0);
-  hits->assign(kLowLatencyPhases, 0);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(ns->data(), g_phase_ns, sizeof(g_phase_ns)));
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(hits->data(), g_phase_hits, sizeof(g_phase_hits)));
-  if (reset) {
-    const std::vector<unsigned long long> zero(kLowLatencyPhases, 0);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_phase_ns, zero.data(), sizeof(g_phase_ns)));
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_phase_hits, zero.data(), sizeof(g_phase_hits)));
-  }
+  ns->clear();
+  hits->clear();
+  JAX_EP_RETURN_IF_ERROR(phase_sums_read(g_low_latency_phases, reset, ns, hits));
+  ns->resize(kLowLatencyPhases);
+  hits->resize(kLowLatencyPhases);
   return Status::Ok();
 }
 

@@ -21,7 +21,7 @@ Status preload_kernels();
 // armed); synchronizes the device first.
 Status remote_put_bytes(bool reset, uint64_t* out);
 
-// Test hook JAX_EP_TEST_LOW_LATENCY_PHASES=1 (phase_stamps.cuh): per phase of the NVSHMEM low-latency kernels, the summed
+// Test hook JAX_EP_TEST_PHASES=1 (phase_stamps.cuh): per phase of the NVSHMEM low-latency kernels, the summed
 // nanoseconds from a block's start and the number of stamps since the last reset; synchronizes the device first.
 Status low_latency_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits);
 

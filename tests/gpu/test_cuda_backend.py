@@ -101,9 +101,11 @@ def test_matches_reference(case):
         assert n_recv.max() > cfg.capacity(R), "overflow case did not overflow"
 
 
-def _scan_program(group, cfg, R, steps):
+def _scan_program(group, cfg, R, steps, back_to_back=False):
     """`steps` dispatch+combine rounds in one lax.scan, fresh messy routing each step, both backends compared in
-    the graph; returns per-step mismatch counts (exact fields) and max |dy|."""
+    the graph; returns per-step mismatch counts (exact fields) and max |dy|. back_to_back: each step first runs one
+    more dispatch (other routing, other rows, compared too) right before the step's own, so consecutive dispatches
+    meet with nothing in between (their count exchange is their only rendezvous)."""
     E, K, T = cfg.num_experts, cfg.num_topk, cfg.max_tokens_per_rank
 
     def neq(a, b):
@@ -120,9 +122,15 @@ def _scan_program(group, cfg, R, steps):
         def step(carry, i):
             idx, w = h.step_routing(key, i, T, K, E, jax.random.normal)
             xi = x + (i % 7).astype(x.dtype)
+            mism = jnp.zeros((), jnp.int32)
+            if back_to_back:
+                idx0, w0 = h.step_routing(key, i + steps, T, K, E, jax.random.normal)
+                x0 = x - (i % 5).astype(x.dtype)
+                mism += sum(neq(a, b) for a, b in zip(jax.tree.leaves(cuda_backend.dispatch(x0, None, idx0, w0, cfg, R)),
+                                                      jax.tree.leaves(reference.dispatch(x0, None, idx0, w0, cfg, R))))
             oc = cuda_backend.dispatch(xi, None, idx, w, cfg, R)
             orf = reference.dispatch(xi, None, idx, w, cfg, R)
-            mism = sum(neq(a, b) for a, b in zip(jax.tree.leaves(oc), jax.tree.leaves(orf)))
+            mism += sum(neq(a, b) for a, b in zip(jax.tree.leaves(oc), jax.tree.leaves(orf)))
             yc, ywc = cuda_backend.combine(oc.recv_x, oc.recv_topk_weights, oc.handle, cfg, R)
             yr, ywr = reference.combine(orf.recv_x, orf.recv_topk_weights, orf.handle, cfg, R)
             # relative to the largest |y|: f32 sums in another order may round to a neighbouring bf16 value
@@ -156,6 +164,27 @@ def test_scan_200_calls_changing_routing():
     print(f"scan: mismatching elements total per rank {total.tolist()}, max relative |dy| {float(dy.max()):.3e}")
     assert int(total.sum()) == 0, f"steps with mismatches: {np.argwhere(mism > 0)[:10].tolist()}"
     assert float(dy.max()) <= 2 ** -7  # one bf16 ulp of the largest value
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_scan_back_to_back_dispatches(path):
+    R = min(4, len(h.gpu_devices()))
+    group = _group(R)
+    cfg = _cfg(R, 128, 2048, 8, 64, None)
+    group.activate()
+    native = _native.module()
+    was = native.direct_buffers_enabled()
+    native.set_direct_buffers(path == "direct")
+    try:
+        f = _scan_program(group, cfg, R, 100, back_to_back=True)
+        x = group.shard(np.random.default_rng(2).standard_normal((R * 128, 2048)).astype(jnp.bfloat16))
+        key = jax.random.key_data(jax.random.key(1))[None]
+        total, mism, dy = jax.device_get(f(x, key))
+    finally:
+        native.set_direct_buffers(was)
+    print(f"back-to-back ({path}): mismatching elements total per rank {total.tolist()}, max |dy| {float(dy.max()):.3e}")
+    assert int(total.sum()) == 0, f"steps with mismatches: {np.argwhere(mism > 0)[:10].tolist()}"
+    assert float(dy.max()) <= 2 ** -7
 
 
 # Direct buffers (dispatch's senders write into the receiver's outputs, combine reads the peers' inputs; XLA's

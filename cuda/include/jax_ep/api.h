@@ -5,6 +5,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "jax_ep/group_ctx.h"
 #include "jax_ep/low_latency_params.h"
 #include "jax_ep/normal_params.h"
@@ -26,8 +30,8 @@ Status preload_kernels();
 
 namespace jax_ep::normal {
 
-// Each op begins with a group barrier (so staging reuse across consecutive calls is safe) and uses only device-side
-// counters (CUDA-graph replay safe). Launches several kernels on `stream`; no host synchronization.
+// Each op begins with a group rendezvous (so staging reuse across consecutive calls is safe): a barrier, or in
+// dispatch the count exchange, which implies one. Only device-side counters (CUDA-graph replay safe). Launches several kernels on `stream`; no host synchronization.
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream);
 Status launch_combine(const CombineParams& p, cudaStream_t stream);
@@ -35,7 +39,13 @@ Status launch_combine(const CombineParams& p, cudaStream_t stream);
 // One barrier on this device's side of the group (the group warm-up of the transport).
 Status launch_group_barrier(const GroupCtx& g, cudaStream_t stream);
 
+// Loads the kernels into the current device's context and arms their phase stamps there when JAX_EP_TEST_PHASES=1.
 Status preload_kernels();
+
+// Test hook JAX_EP_TEST_PHASES=1 (common/phase_stamps.cuh): per phase of these kernels, its name, the summed ns from a
+// block's start and the number of stamps, over every device armed in this process since the last reset; synchronizes
+// those devices first.
+Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits);
 
 }  // namespace jax_ep::normal
 

@@ -9,6 +9,17 @@ namespace jax_ep {
 // ---- routing (the layout target and the dispatch notify kernel) ----
 constexpr int kMaxLayoutExperts = 8192;    // CUDA: per-expert counters live in shared memory (32 KB)
 constexpr int kLayoutThreads = 1024;       // one block computes a layout (T <= 8192 in practice: a few us)
+// Dispatch notify on the NVLink path: blocks of kNotifyThreads, each laying out one chunk of consecutive tokens
+// (notify_chunk_tokens), at most kMaxNotifyBlocks of them; the last block to finish exchanges the counts.
+constexpr int kNotifyThreads = 256;
+constexpr int kMaxNotifyBlocks = 32;
+
+// Tokens per notify block for T tokens: whole tiles of kNotifyThreads, as few per block as kMaxNotifyBlocks allow.
+constexpr int notify_chunk_tokens(int num_tokens) {
+  const int tiles = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
+  const int per_block = (tiles + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
+  return (per_block > 0 ? per_block : 1) * kNotifyThreads;
+}
 
 // ---- groups (both modes) ----
 // R, ranks per EP group: the per-rank words of the signal header and the rank masks (RankMask, rank_mask.h) are

@@ -130,6 +130,11 @@ struct SendArgs {
   int32_t capacity;
   int32_t experts_per_rank;        // L (dispatch)
   bool write_src_idx;              // dispatch: the source token index of every row
+  // Dispatch on the NVLink path: send_pos as written by notify (positions within each notify chunk, to which the
+  // send adds the chunk's first position per rank from the notify scratch and stores the result back: the handle's
+  // send_pos); nullptr: send_pos is final (cached dispatch, the NVSHMEM kernels, a single notify block).
+  int32_t* chunked_send_pos;
+  int32_t chunk_tokens;            // notify_chunk_tokens(num_tokens) with chunked_send_pos
   bool direct;                     // dispatch (NVLink kernels): destinations' RecvTargets are published this op
 };
 

@@ -22,7 +22,8 @@ JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) /
 
 // ---- normal mode ----------------------------------------------------------------------------------------------
 //   [signals | payload | scales | topk_idx | topk_weights | src_idx], each region aligned to kAlign bytes.
-//   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch and the receive targets.
+//   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch, the receive targets and the
+//   notify scratch.
 //   rows = max(capacity, R * T_max): dispatch receives up to `capacity` rows, combine one slot per (peer, token).
 //   Dispatch and combine never use the region at the same time: every op begins with a group barrier.
 struct BufferLayout {
@@ -30,6 +31,12 @@ struct BufferLayout {
   int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
   int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
   int64_t recv_targets;    // kRecvTargetBytes [R]: dispatch's receive targets of rank s (RecvTargets), written by s
+  // This rank's dispatch notify blocks (NVLink kernels; never peer-written): i32 [kMaxNotifyBlocks][R] tokens of
+  // each block's chunk sent to each rank, turned by the last block into each chunk's first position per rank (read
+  // by the send kernel, which completes send_pos), then i32 [kMaxNotifyBlocks][E] each chunk's per-expert counts.
+  // Every entry is written before it is read in the same op: nothing is assumed of it between ops (configs of
+  // other R or E share the buffer at other offsets).
+  int64_t notify_scratch;
   int64_t payload;         // rows x payload_stride bytes
   int64_t payload_stride;  // bytes per row (4 * hidden: the f32 worst case)
   int64_t scales;          // f32 [rows][ceil(H/128)]
@@ -91,8 +98,12 @@ JAX_EP_HD int64_t recv_targets_offset(int64_t num_ranks, int64_t num_experts) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4), 16);
 }
 
+JAX_EP_HD int64_t notify_scratch_offset(int64_t num_ranks, int64_t num_experts) {
+  return recv_targets_offset(num_ranks, num_experts) + kRecvTargetBytes * num_ranks;
+}
+
 JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
-  return align_up(recv_targets_offset(num_ranks, num_experts) + kRecvTargetBytes * num_ranks);
+  return align_up(notify_scratch_offset(num_ranks, num_experts) + 4 * kMaxNotifyBlocks * (num_ranks + num_experts));
 }
 
 // nvshmem: the normal-mode ops of this config run over NVSHMEM (EPConfig.normal_over_nvshmem): add the send area;
@@ -106,6 +117,7 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.counts = kSignalHeaderBytes;
   b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
   b.recv_targets = recv_targets_offset(num_ranks, num_experts);
+  b.notify_scratch = notify_scratch_offset(num_ranks, num_experts);
   b.payload_stride = 4 * hidden;
   b.payload = signal_bytes(num_ranks, num_experts);
   b.scales = b.payload + align_up(b.rows * b.payload_stride);
