@@ -41,6 +41,7 @@ steps:
                      CUDA_MODULE_LOADING=EAGER and with command buffers off. WARMUP_AB=1 instead: eager with
                      warm-up ops on and off (--no-warmup-ops), XLA preallocation off and on (fraction 0.5)
   cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
+  signal-cost        scripts/signal_cost.cu on GPUs 0 and 1: the cost of a flag per way of ordering the data before it
 variables (default):
   DRY_RUN=1  print the commands, run nothing       NO_BUILD=1  no build (the tree was built before)
   PREBUILT=DIR  where build/ is missing, copy DIR's _jax_ep_*.so into jax_ep/ instead of building
@@ -282,6 +283,9 @@ step_first_call() {
   for v in CUDA_MODULE_LOADING=EAGER $cb; do fc "eager $v" "$v" --mode eager; done
 }
 step_cpu_suite() { run "cpu suite" 240 "${PYTEST[@]}" tests/test_{gradients,vjp_rules,programs,errors}.py; }
+step_signal_cost() { local DIGEST='round trip'
+  run "signal cost" 120 bash -c "nvcc -O3 -arch=sm_90 -o '$SCRATCH/signal_cost' scripts/signal_cost.cu && \
+    CUDA_VISIBLE_DEVICES=0,1 '$SCRATCH/signal_cost'"; }
 do_step() {  # STEP: its commands, its log, its status line
   local s=$1 t0=$SECONDS; STEP_RC=0; STEP_LOG=$LOG/$s.log
   [ "$s" = build ] && BUILT=1  # once per call, also when it fails
@@ -296,7 +300,7 @@ for s in "$@"; do
   case $s in
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
-    low-latency-ratio|low-latency-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite) STEPS+=("$s") ;;
+    low-latency-ratio|low-latency-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite|signal-cost) STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac
 done

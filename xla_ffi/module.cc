@@ -325,6 +325,12 @@ NB_MODULE(_jax_ep_native, m) {
         {
           nb::gil_scoped_release release;
           st = jax_ep::normal::phases(reset, &names, &ns, &hits);
+          std::vector<std::string> ll_names;
+          std::vector<uint64_t> ll_ns, ll_hits;
+          if (st.ok()) st = jax_ep::low_latency::phases(reset, &ll_names, &ll_ns, &ll_hits);
+          names.insert(names.end(), ll_names.begin(), ll_names.end());
+          ns.insert(ns.end(), ll_ns.begin(), ll_ns.end());
+          hits.insert(hits.end(), ll_hits.begin(), ll_hits.end());
         }
         if (!st.ok()) throw std::runtime_error(st.message());
         nb::list out;
@@ -332,8 +338,8 @@ NB_MODULE(_jax_ep_native, m) {
         return out;
       },
       nb::arg("reset") = false,
-      "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVLink normal-mode kernels since the last "
-      "reset, over this process's devices; stamped only when JAX_EP_TEST_PHASES=1 was set before initialize "
+      "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVLink kernels (normal mode, then low "
+      "latency) since the last reset, over this process's devices; stamped only when JAX_EP_TEST_PHASES=1 was set before initialize "
       "(cuda/common/phase_stamps.cuh).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },

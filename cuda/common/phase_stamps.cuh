@@ -105,11 +105,11 @@ class PhaseDevices {
     return Status::Ok();
   }
 
-  // The sums over every armed device (phase_sums_read); the current device is restored.
+  // Adds the sums of every armed device to ns / hits (phase_sums_read); the current device is restored.
   template <typename Sym>
   Status read(const Sym& sym, bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
-    ns->assign(kMaxPhases, 0);
-    hits->assign(kMaxPhases, 0);
+    ns->resize(kMaxPhases, 0);
+    hits->resize(kMaxPhases, 0);
     int current = 0;
     if (cudaGetDevice(&current) != cudaSuccess) return Status::Error("phase stamps: cudaGetDevice failed");
     std::vector<int> devices;

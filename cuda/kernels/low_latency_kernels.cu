@@ -15,7 +15,7 @@
 // Every kernel: open (read the chain state / token, decide) -> body (only when the op works) -> finish (the last block
 // writes the output state): low_latency_protocol.cuh, low_latency_params.h. A skipped op waits for nothing and writes to no peer.
 // Epochs, halves and single-writer flags: see cuda/include/jax_ep/staging_layout.h. Memory ordering as in
-// transport/peer.cuh: peer stores -> __syncthreads -> __threadfence_system -> st.release.sys of the flag; the reader
+// transport/peer.cuh: peer stores -> __syncthreads (or fence + last-block count) -> st.release.sys of the flag; the reader
 // spins with ld.acquire.sys, then __syncthreads, then reads peer-written data with ld.cg (L1 is not coherent with
 // peer stores).
 // NOTE: the receive kernels spin inside their (at most ~2 x SMs) blocks instead of in a separate one-warp kernel:
@@ -68,6 +68,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   __shared__ int32_t s_first[kMaxLowLatencyExperts];  // [l]
   __shared__ int32_t s_warp[32];
   if (tid < R) wait_consumed(g, tid, epoch);
+  phase_stamp(g_ll_phases, kPhaseSendConsumed);
   for (int idx = tid; idx < L * R; idx += blockDim.x)  // a corrupted handle never indexes out of bounds
     s_off[idx] = min(max(__ldg(p.layout_range + idx), 0), Tm);
   __syncthreads();
@@ -109,7 +110,6 @@ __device__ __forceinline__ void publish_combine_flags(const CombineSendParams& p
   const int64_t half = half_offset(c.low_latency, epoch);
   for (int idx = threadIdx.x; idx < R * L; idx += blockDim.x) {
     const int d = idx / L, l = idx % L;
-    __threadfence_system();
     st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.c_flags + 4 * (me * L + l)), epoch);
   }
 }
@@ -118,13 +118,19 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
+  phase_begin(g_ll_phases);
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendOpened);
   if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendBody);
   if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  phase_stamp(g_ll_phases, kPhaseSendLast);
   if (s_gate.work) publish_combine_flags(p, s_gate.epoch);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendPublished);
   if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
 }
 
@@ -138,11 +144,23 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_combine_recv_
 
 Status preload_kernels() {
   JAX_EP_RETURN_IF_ERROR(per_rank::preload_kernels());
+  JAX_EP_RETURN_IF_ERROR(ll_phase_devices().arm(g_ll_phases));
   return preload({reinterpret_cast<const void*>(low_latency_dispatch_send_kernel<false>),
                   reinterpret_cast<const void*>(low_latency_dispatch_send_kernel<true>),
                   reinterpret_cast<const void*>(low_latency_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(low_latency_combine_send_kernel),
                   reinterpret_cast<const void*>(low_latency_combine_recv_kernel)});
+}
+
+Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
+  ns->clear();
+  hits->clear();
+  JAX_EP_RETURN_IF_ERROR(ll_phase_devices().read(g_ll_phases, reset, ns, hits));
+  JAX_EP_RETURN_IF_ERROR(per_rank::add_phases(reset, ns, hits));
+  names->assign(low_latency_phase_names(), low_latency_phase_names() + kLowLatencyNvlinkPhases);
+  ns->resize(kLowLatencyNvlinkPhases);
+  hits->resize(kLowLatencyNvlinkPhases);
+  return Status::Ok();
 }
 
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {

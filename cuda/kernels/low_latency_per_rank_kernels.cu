@@ -173,7 +173,6 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
   }
   __syncthreads();
   if (threadIdx.x < R) {
-    __threadfence_system();
     st_release_sys(rank_word(peer_base(g, threadIdx.x) + half, p.c.low_latency, RankWord::kWeightFlags + me), s_gate.epoch);
   }
 }
@@ -243,19 +242,24 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) low_latency_per_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
+  phase_begin(g_ll_phases);
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendOpened);
   if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendBody);
   if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  phase_stamp(g_ll_phases, kPhaseSendLast);
   const GroupCtx& g = p.c.g;
   if (s_gate.work && threadIdx.x < g.num_ranks) {
-    __threadfence_system();
     st_release_sys(rank_word(peer_base(g, threadIdx.x) + half_offset(p.c.low_latency, s_gate.epoch), p.c.low_latency,
                              RankWord::kPartialFlags + g.rank),
                    s_gate.epoch);
   }
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendPublished);
   if (threadIdx.x == 0) finish_send_last(g, p.io, s_gate);
 }
 
@@ -327,10 +331,15 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
 }  // namespace
 
 Status preload_kernels() {
+  JAX_EP_RETURN_IF_ERROR(ll_phase_devices().arm(g_ll_phases));
   return preload({reinterpret_cast<const void*>(low_latency_per_rank_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(low_latency_per_rank_combine_push_kernel),
                   reinterpret_cast<const void*>(low_latency_per_rank_combine_send_kernel),
                   reinterpret_cast<const void*>(low_latency_per_rank_combine_recv_kernel)});
+}
+
+Status add_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
+  return ll_phase_devices().read(g_ll_phases, reset, ns, hits);
 }
 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {

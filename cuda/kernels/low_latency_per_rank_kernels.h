@@ -5,12 +5,17 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "jax_ep/low_latency_params.h"
 #include "jax_ep/status.h"
 
 namespace jax_ep::low_latency::per_rank {
 
 Status preload_kernels();
+// This translation unit's phase sums (low_latency_phases.cuh) added to ns / hits.
+Status add_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits);
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);  // weight push + partial sums
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);

@@ -15,6 +15,7 @@
 #include "common/ptx.cuh"
 #include "jax_ep/low_latency_params.h"
 #include "jax_ep/signal_header.h"
+#include "kernels/low_latency_phases.cuh"
 #include "transport/peer.cuh"
 
 namespace jax_ep::low_latency {
@@ -173,28 +174,39 @@ __device__ __forceinline__ void end_recv(const GroupCtx& g, const ChainIO& io, c
   write_state(io, gate);
 }
 
-// End of every receive kernel on the NVLink path: once all blocks have read their part of the half, tell every
-// rank (this one too) that epoch n is consumed here (the epoch, stored into its header through the peer pointer),
-// so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path: nvshmem/device/low_latency.cu.)
+// End of every receive kernel on the NVLink path (every thread of every block): once all blocks have read their part
+// of the half, the last block's threads tell every rank (this one too) in parallel that epoch n is consumed here (the
+// epoch, a release store into its header through the peer pointer: it orders the block's reads, and through the
+// blocks' fences and counts every block's), so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path:
+// nvshmem/device/low_latency.cu.)
 __device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
-  if (!last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone))) return;
-  if (gate.work) {
-    __threadfence_system();
-    for (int d = 0; d < g.num_ranks; ++d)
+  __shared__ bool s_last;
+  const bool last = last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone));
+  if (threadIdx.x == 0) s_last = last;
+  __syncthreads();
+  if (!s_last) return;
+  phase_stamp(g_ll_phases, kPhaseRecvLast);
+  if (gate.work)
+    for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x)
       st_release_sys(header_word(peer_base(g, d),
                                  SignalHeader::kLowLatencyConsumed + 4 * (kMaxGroupRanks * (gate.epoch & 1u) + g.rank)),
                      gate.epoch);
-  }
-  end_recv(g, io, gate);
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseRecvReleased);
+  if (threadIdx.x == 0) end_recv(g, io, gate);
 }
 
 // The frame of every receive kernel: open (block-uniform decision), body(epoch) only when the op works, finish.
 template <typename Params, typename Body>
 __device__ __forceinline__ void receive_frame(const Params& p, Body body) {
   __shared__ Gate s_gate;
+  phase_begin(g_ll_phases);
   if (threadIdx.x == 0) open_recv(p.io, &s_gate);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseRecvOpened);
   if (s_gate.work) body(s_gate.epoch);  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseRecvBody);
   finish_recv(p.c.g, p.io, s_gate);
 }
 

@@ -11,8 +11,9 @@
 // NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
 // NOTE (ordering of the publish): every block fenced its peer stores (__threadfence_system) before counting itself
-// done; the last block saw all of them counted, fenced, and then each thread writes counts, fences, releases flags
-// (per_rank: the counts of every destination, __syncthreads, then each destination's flag).
+// done; the last block saw all of them counted, fenced, and then each thread writes counts and releases flags
+// (st.release.sys: cumulative, no separate fence; per_rank: the counts of every destination, __syncthreads, then
+// each destination's flag).
 #pragma once
 
 #include "kernels/low_latency_device.cuh"
@@ -40,6 +41,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   __shared__ int32_t s_epart[kPerRank ? kSendThreads / 32 : 1][kMaxTopk];
   __shared__ __align__(16) float s_scales[kSendThreads / 32][kSegChannels / kFp8Block];
   if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);  // token_slots' first __syncthreads orders the rest
+  phase_stamp(g_ll_phases, kPhaseSendConsumed);
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;  // fp8: q then the S scales
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
   const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
@@ -110,7 +112,6 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
           static_cast<int32_t>(atomicExch(counts + kLowLatencyScratchRanks + d, 0u));
     __syncthreads();  // every count of every destination is stored before any flag
     for (int d = threadIdx.x; d < R; d += blockDim.x) {
-      __threadfence_system();
       st_release_sys(header_word(peer_base(g, d) + half, c.low_latency.rank_words + 4 * (RankWord::kFlags + me)),
                      epoch);  // every destination, 0 messages too
     }
@@ -119,7 +120,6 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
       char* dst_half = peer_base(g, dest / L) + half;
       const int32_t n = static_cast<int32_t>(atomicExch(counts + dest, 0u));
       *reinterpret_cast<volatile int32_t*>(dst_half + c.low_latency.d_counts + 4 * ((dest % L) * R + me)) = n;
-      __threadfence_system();
       st_release_sys(header_word(dst_half, c.low_latency.d_flags + 4 * ((dest % L) * R + me)), epoch);  // 0 rows too
     }
   }
@@ -130,14 +130,20 @@ __global__ void __launch_bounds__(kSendThreads) low_latency_dispatch_send_kernel
   extern __shared__ __align__(16) char s_row[];  // fp8: one quantized message payload (H + 4 * H/128 bytes)
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
+  phase_begin(g_ll_phases);
   if (threadIdx.x == 0)
     open_send(p.c.g, p.io, p.fused, p.num_tokens,
               p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendOpened);
   if (s_gate.work) dispatch_send_body<kPerRank>(p, s_gate.epoch, s_row);  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendBody);
   if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  phase_stamp(g_ll_phases, kPhaseSendLast);
   if (s_gate.work) publish_counts<kPerRank>(p, s_gate.epoch);
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendPublished);
   if (threadIdx.x == 0) finish_send_last(p.c.g, p.io, s_gate);
 }
 

@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
 // Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
 // every destination of the token (normal_device.cuh).
 // With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows there.
-__global__ void __launch_bounds__(kSendThreads) send_rows_kernel(const __grid_constant__ SendArgs a) {
+__global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid_constant__ SendArgs a) {
   __shared__ RecvTargets s_targets[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
   phase_begin(g_normal_phases);
   const uint32_t epoch = current_epoch(a.g);
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(32, 1) combine_publish_barrier_kernel(const __
   for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x)
     *reinterpret_cast<CombineSource*>(combine_sources(peer_base(g, d), current_epoch(g) + 1) +
                                       g.rank * SignalHeader::kCombineSourceBytes) = mine;
-  __threadfence_system();
+  // thread d's release arrival at rank d (group_barrier_block) orders its store above
   phase_begin(g_normal_phases);
   group_barrier_block(g, "combine barrier");
   phase_stamp(g_normal_phases, kPhaseCombineBarrier);
@@ -529,6 +529,8 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
                                        "notify: outputs written",    "send rows: block's tokens stored",
                                        "combine: publish + barrier done"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
+  ns->clear();
+  hits->clear();
   JAX_EP_RETURN_IF_ERROR(normal_phase_devices().read(g_normal_phases, reset, ns, hits));
   names->assign(kNames, kNames + kNormalPhases);
   ns->resize(kNormalPhases);

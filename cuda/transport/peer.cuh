@@ -6,9 +6,12 @@
 //   wait_peer()            bounded acquire wait for such a signal
 // An NVSHMEM transport (one process per GPU) provides the same four with nvshmem_ptr-filled PeerTables.
 //
-// Memory ordering: writes to a peer are followed by __threadfence_system() and a st.release.sys of the epoch to
-// the peer's flag word; the reader spins with ld.acquire.sys, then a __syncthreads() orders the rest of its block,
-// and peer-written data is read with L1-bypassing loads (ld.cg): L1 is not coherent with peer stores.
+// Memory ordering: writes to a peer are followed by a st.release.sys of the epoch to the peer's flag word, by the
+// writing thread or by one ordered after the writers (__syncthreads, or a block's fence + counter atomic that the
+// releasing block's fence observed): a release is cumulative, so no separate fence precedes it (each system-scope
+// fence costs ~1.5 us with peer stores in flight; docs/log). The reader spins with ld.acquire.sys, then a
+// __syncthreads() orders the rest of its block, and peer-written data is read with L1-bypassing loads (ld.cg): L1
+// is not coherent with peer stores.
 #pragma once
 
 #include <cstdint>
@@ -70,7 +73,6 @@ __device__ __forceinline__ uint32_t group_barrier_block(const GroupCtx& g, const
 }
 
 __device__ __forceinline__ void signal_peer(const GroupCtx& g, int peer, int64_t flag_offset, uint32_t epoch) {
-  __threadfence_system();
   st_release_sys(header_word(peer_base(g, peer), flag_offset + 4 * g.rank), epoch);
 }
 
@@ -80,18 +82,22 @@ __device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t f
 }
 
 // End of a kernel that wrote rows into peers: the last block to finish tells every rank that all rows of this op
-// from this rank are in place. Called by every thread of every block.
+// from this rank are in place (its threads signal the ranks in parallel). Called by every thread of every block.
 __device__ __forceinline__ void finish_and_signal_data(const GroupCtx& g, uint32_t epoch) {
+  __shared__ bool s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();  // this block's peer stores happen before it is counted
     uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
-    const uint32_t prev = atomicAdd(done, 1u);
-    if (prev == gridDim.x - 1) {
+    s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (s_last) {
       atomicExch(done, 0u);  // every block has counted itself: reset for the next op
-      for (int d = 0; d < g.num_ranks; ++d) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+      __threadfence();       // ... after every other block's fence and count: their stores precede the signals
     }
   }
+  __syncthreads();
+  if (s_last)
+    for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
 }
 
 }  // namespace jax_ep

@@ -11,7 +11,7 @@ then per operation (name up to its first '(' or '<'): launches, median duration;
 operations: the median gap between the first one's end and the second one's start. A period well above the sum of
 the durations on it is time the GPU spends idle: launch-bound host work, or a wait outside the kernels.
 
-With JAX_EP_TEST_PHASES=1 in the environment (before initialize) the NVLink normal-mode kernels and the NVSHMEM
+With JAX_EP_TEST_PHASES=1 in the environment (before initialize) the NVLink kernels (both modes) and the NVSHMEM
 low-latency kernels also stamp named points (cuda/common/phase_stamps.cuh) and the report adds, per phase of the
 contender's kernels, the mean time from a block's start.
 """
@@ -83,22 +83,23 @@ def phase_table(label: str, rows) -> list:
     return lines
 
 
-def _phase_reader(mode: str):
-    """(label, reader) of the phase stamps of this mode's kernels when JAX_EP_TEST_PHASES=1: the native module's
-    test_phases (NVLink normal-mode kernels) or the NVSHMEM module's test_low_latency_phases; None when off or when
-    this build has no such reader."""
+def _phase_readers(mode: str) -> list:
+    """[(label, reader)] of the phase stamps of this mode's kernels when JAX_EP_TEST_PHASES=1 (else []): the native
+    module's test_phases (the NVLink kernels of both modes) and, in low-latency mode, the NVSHMEM module's
+    test_low_latency_phases where this build has it."""
     if os.environ.get("JAX_EP_TEST_PHASES") != "1":
-        return None
-    if mode == "normal":
-        from jax_ep import _native
+        return []
+    from jax_ep import _native
 
-        return "NVLink normal-mode kernels", _native.module().test_phases
-    from jax_ep.runtime import nvshmem as nvshmem_runtime
+    readers = [("NVLink kernels", _native.module().test_phases)]
+    if mode == "low_latency":
+        from jax_ep.runtime import nvshmem as nvshmem_runtime
 
-    try:
-        return "NVSHMEM LL kernels", getattr(nvshmem_runtime.module(), "test_low_latency_phases")
-    except Exception:  # no NVSHMEM module (or no device library) in this build
-        return None
+        try:
+            readers.append(("NVSHMEM LL kernels", getattr(nvshmem_runtime.module(), "test_low_latency_phases")))
+        except Exception:  # no NVSHMEM module (or no device library) in this build
+            pass
+    return readers
 
 
 def main(argv=None) -> int:
@@ -151,9 +152,7 @@ def main(argv=None) -> int:
             print("| gap after | before | count | median us | max us |")
             for (a, b), v in sorted(gaps.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
                 print(f"| {a} | {b} | {len(v)} | {statistics.median(v):.1f} | {max(v):.1f} |")
-            reader = _phase_reader(mode)
-            if reader is not None:  # untraced loops: the stamps of this contender only
-                label, read_phases = reader
+            for label, read_phases in _phase_readers(mode):  # untraced loops: the stamps of this contender only
                 try:
                     read_phases(True)
                     with case.setting():
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
                             jax.block_until_ready(loop(*cargs))
                     print("\n".join(phase_table(label, read_phases(True))))
                 except RuntimeError as e:  # e.g. no NVSHMEM device library, or NVSHMEM not running here
-                    print(f"no phase stamps: {str(e).splitlines()[0][:200]}")
+                    print(f"no phase stamps ({label}): {str(e).splitlines()[0][:200]}")
     return 0
 
 

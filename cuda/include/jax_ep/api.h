@@ -60,6 +60,10 @@ Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
 Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream);
 
+// Loads the kernels into the current device's context and arms their phase stamps there when JAX_EP_TEST_PHASES=1.
 Status preload_kernels();
+
+// Test hook JAX_EP_TEST_PHASES=1: as normal::phases, for the NVLink low-latency kernels (low_latency_phases.cuh).
+Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits);
 
 }  // namespace jax_ep::low_latency
