@@ -19,6 +19,7 @@
 namespace jax_ep::normal {
 
 constexpr int kSendThreads = 512;  // 16 warps: one token (send) or one row (copy) per warp at a time
+constexpr int kCopyThreads = 512;  // the local passes on every SM: copy-out, reduce
 // Dispatch sender: 8 vectors in flight per lane (each load feeds ~R stores); an unroll of 4 and 1024-thread blocks
 // measure the same (docs/log/2026-11-benchmark-runs.md).
 constexpr int kSendUnroll = 8;

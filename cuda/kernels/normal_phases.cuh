@@ -1,0 +1,30 @@
+// Phases of the NVLink normal-mode kernels (normal_kernels.cu, normal_combine.cuh) for the test hook
+// JAX_EP_TEST_PHASES=1 (common/phase_stamps.cuh), armed by normal::preload_kernels and read by normal::phases.
+// NOTE: for the one translation unit of those kernels (normal_kernels.cu): the sums have internal linkage.
+#pragma once
+
+#include "common/phase_stamps.cuh"
+
+namespace jax_ep::normal {
+namespace {
+
+enum NormalPhase : int {
+  kPhaseNotifyLayout = 0,   // notify: routing layout done (the last block: every chunk added up)
+  kPhaseNotifyArrived,      // notify: this op's epoch taken, every rank told this rank entered it
+  kPhaseNotifyPublished,    // notify: counts and receive targets stored into every rank (block barrier)
+  kPhaseNotifySignalled,    // notify: thread 0's count signal (to rank 0) stored
+  kPhaseNotifyExchanged,    // notify: every rank's count signal of this op seen (block barrier)
+  kPhaseNotifyOutputs,      // notify: handle counts written
+  kPhaseSendBlockDone,      // send rows, each block: its tokens stored (block barrier)
+  kPhaseCombineBarrier,     // combine publish + barrier: done
+  kNormalPhases
+};
+static_assert(kNormalPhases <= kMaxPhases, "PhaseSums holds every phase");
+__device__ PhaseSums g_normal_phases;
+PhaseDevices& normal_phase_devices() {
+  static PhaseDevices d;
+  return d;
+}
+
+}  // namespace
+}  // namespace jax_ep::normal
