@@ -70,3 +70,56 @@ def test_rdma_size_hint_is_all_symmetric_staging_with_send_slots_for_nvshmem_low
     assert m.low_latency_buffer_bytes(7168, 128, 4, 288, True) == runtime.buffer_size_hint(over, 4).low_latency_bytes
     with pytest.raises(jax_ep_error(), match="num_ranks"):
         jax_ep.rdma_size_hint(LL, 0)
+
+
+def test_configs_of_one_axis_differ_in_num_experts_by_at_most_32x():
+    """The normal-mode configs of one axis share its staging; the count region of the one with more experts must end
+    before the rows of the other (jax_ep.config.MAX_NORMAL_EXPERTS_SPREAD)."""
+    from jax_ep.config import MAX_NORMAL_EXPERTS_SPREAD
+    from jax_ep.runtime import lifecycle
+
+    def cfg(E, **kw):
+        return EPConfig(E, 1024, 2, 64, **kw)
+
+    lifecycle._check_normal_experts_spread([cfg(8), cfg(256)], {"ep": 4})  # 32x: allowed
+    with pytest.raises(jax_ep.EPError, match=r"axis 'ep' have num_experts 8 and 264.*at most 32x"):
+        lifecycle._check_normal_experts_spread([cfg(8), cfg(264)], {"ep": 4})
+    # other axes are independent; groups on the NVSHMEM normal kernels (R > num_max_nvl_peers) are not concerned
+    lifecycle._check_normal_experts_spread([cfg(8), cfg(1024, axis_name="tp")], {"ep": 4, "tp": 4})
+    lifecycle._check_normal_experts_spread([cfg(8, num_max_nvl_peers=2), cfg(1024, num_max_nvl_peers=2)], {"ep": 4})
+    if _native.available():  # the bound holds for the layout the native module computes
+        m = _native.module()
+
+        def up(n, a):
+            return -(-n // a) * a
+
+        for R in (1, 2, 4, 8):
+            for small in (R, 8 * R, 64 * R):
+                large = MAX_NORMAL_EXPERTS_SPREAD * small
+                # staging_layout.h by hand: the peer-written window (counts, expert counts, receive targets) ends at
+                # align16(12288 + 4 (R^2 + E + 4R + 4)) + 64 R; the signal region, then the notify scratch of
+                # 128 (R + E) bytes, aligned to 256, then the rows (H=128, T_max=1, capacity 1: R rows of 512 bytes,
+                # and four 256-byte regions)
+                def window_end(E):
+                    return up(12288 + 4 * (R * R + E + 4 * R + 4), 16) + 64 * R
+
+                def rows_start(E):
+                    return up(window_end(E) + 128 * (R + E), 256)
+
+                for E in (small, large):
+                    assert m.normal_buffer_bytes(128, 1, 1, R, 1, E) == rows_start(E) + up(512 * R, 256) + 4 * 256
+                assert window_end(large) <= rows_start(small), (R, small, large)
+
+
+def test_initialize_refuses_configs_of_one_axis_too_far_apart_in_num_experts():
+    """On every backend (the reference one here, 4 CPU devices): before anything is set up."""
+    from helpers import ep_mesh
+
+    mesh = ep_mesh(4)
+    small = EPConfig(num_experts=8, hidden=128, num_topk=2, max_tokens_per_rank=4, backend="reference")
+    try:
+        with pytest.raises(jax_ep.EPError, match=r"axis 'ep' have num_experts 8 and 512"):
+            jax_ep.initialize(mesh, small, dataclasses.replace(small, num_experts=512))
+        jax_ep.initialize(mesh, small, dataclasses.replace(small, num_experts=256))  # 32x
+    finally:
+        jax_ep.finalize()
