@@ -25,7 +25,8 @@ JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) /
 //   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch, the receive targets and the
 //   notify scratch.
 //   rows = max(capacity, R * T_max): dispatch receives up to `capacity` rows, combine one slot per (peer, token).
-//   Dispatch and combine never use the region at the same time: every op begins with a group barrier.
+//   Dispatch and combine never use the region at the same time: every op begins with a rendezvous (a barrier, or
+//   dispatch's count exchange; docs/ARCHITECTURE.md "Normal-mode kernels").
 struct BufferLayout {
   int64_t rows;            // staging rows
   int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
