@@ -339,8 +339,8 @@ NB_MODULE(_jax_ep_native, m) {
       },
       nb::arg("reset") = false,
       "Test hook: [(phase, summed ns from a block's start, stamps)] of the NVLink kernels (normal mode, then low "
-      "latency) since the last reset, over this process's devices; stamped only when JAX_EP_TEST_PHASES=1 was set before initialize "
-      "(cuda/common/phase_stamps.cuh).");
+      "latency) since the last reset, over this process's devices; stamped only when JAX_EP_TEST_PHASES=1 was set "
+      "before initialize (cuda/common/phase_stamps.cuh).");
   m.def("version", []() { return std::string(JAX_EP_VERSION); }, "jax_ep version this module was built from");
   m.def("ffi_api_version", []() { return std::make_tuple(int{XLA_FFI_API_MAJOR}, int{XLA_FFI_API_MINOR}); },
         "(major, minor) of the XLA FFI headers this module was compiled against; XLA rejects handlers newer than "

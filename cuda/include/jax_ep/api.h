@@ -31,7 +31,8 @@ Status preload_kernels();
 namespace jax_ep::normal {
 
 // Each op begins with a group rendezvous (so staging reuse across consecutive calls is safe): a barrier, or in
-// dispatch the count exchange, which implies one. Only device-side counters (CUDA-graph replay safe). Launches several kernels on `stream`; no host synchronization.
+// dispatch the count exchange, which implies one. Only device-side counters (CUDA-graph replay safe). Launches
+// several kernels on `stream`; no host synchronization.
 Status launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream);
 Status launch_combine(const CombineParams& p, cudaStream_t stream);

@@ -36,8 +36,8 @@ struct SignalHeader {
   // ---- single words, written by this rank only ----
   static constexpr int64_t kSingles = kNvshmemData + kU64PerRank;
   static constexpr int64_t kBarrierEpoch = kSingles;     // u32: normal-mode ops this rank entered = the op's epoch
-  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels and of
-                                                         // the pull combine's reduce
+  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels, of
+                                                         // the pull combine's reduce and of dispatch notify's blocks
   static constexpr int64_t kLowLatencyEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
   static constexpr int64_t kLowLatencySendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
   static constexpr int64_t kLowLatencyRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
