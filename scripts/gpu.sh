@@ -284,8 +284,8 @@ step_first_call() {
 }
 step_cpu_suite() { run "cpu suite" 240 "${PYTEST[@]}" tests/test_{gradients,vjp_rules,programs,errors}.py; }
 step_signal_cost() { local DIGEST='round trip'
-  run "signal cost" 120 bash -c "nvcc -O3 -arch=sm_90 -o '$SCRATCH/signal_cost' scripts/signal_cost.cu && \
-    CUDA_VISIBLE_DEVICES=0,1 '$SCRATCH/signal_cost'"; }
+  run "signal cost" 120 bash -c "nvcc -O3 -arch=sm_90 -Icuda -Icuda/include -o '$SCRATCH/signal_cost' \
+    scripts/signal_cost.cu && CUDA_VISIBLE_DEVICES=0,1 '$SCRATCH/signal_cost'"; }
 do_step() {  # STEP: its commands, its log, its status line
   local s=$1 t0=$SECONDS; STEP_RC=0; STEP_LOG=$LOG/$s.log
   [ "$s" = build ] && BUILT=1  # once per call, also when it fails
