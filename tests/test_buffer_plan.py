@@ -30,7 +30,8 @@ def test_low_latency_buffers_default_and_overrides():
 def test_staging_plan_is_largest_normal_then_largest_low_latency():
     m = _native.module()
     # EP4 byte counts of the two regions (written out: the 12288-byte signal header + counts + 4 x 64-byte receive
-    # targets + the notify scratch (4 x 32 x (4 + 256) bytes), 16384 staging rows of 4 * 7168 bytes + scales, topk, ...; 288 experts x 128 slots x 14576-byte
+    # targets + the notify scratch (4 x 32 x (4 + 256) bytes), 16384 staging rows of 4 * 7168 bytes + scales, topk,
+    # ...; 288 experts x 128 slots x 14576-byte
     # messages, the per_rank words
     # (u32 [4][256]) and the weights area [R=4][128][16] f32, two halves + scratch (4 * (1024 experts + 256 ranks)) +
     # RDMA words (4096 + 2 * 8192))
@@ -87,28 +88,33 @@ def test_configs_of_one_axis_differ_in_num_experts_by_at_most_32x():
     # other axes are independent; groups on the NVSHMEM normal kernels (R > num_max_nvl_peers) are not concerned
     lifecycle._check_normal_experts_spread([cfg(8), cfg(1024, axis_name="tp")], {"ep": 4, "tp": 4})
     lifecycle._check_normal_experts_spread([cfg(8, num_max_nvl_peers=2), cfg(1024, num_max_nvl_peers=2)], {"ep": 4})
-    if _native.available():  # the bound holds for the layout the native module computes
-        m = _native.module()
 
-        def up(n, a):
-            return -(-n // a) * a
 
-        for R in (1, 2, 4, 8):
-            for small in (R, 8 * R, 64 * R):
-                large = MAX_NORMAL_EXPERTS_SPREAD * small
-                # staging_layout.h by hand: the peer-written window (counts, expert counts, receive targets) ends at
-                # align16(12288 + 4 (R^2 + E + 4R + 4)) + 64 R; the signal region, then the notify scratch of
-                # 128 (R + E) bytes, aligned to 256, then the rows (H=128, T_max=1, capacity 1: R rows of 512 bytes,
-                # and four 256-byte regions)
-                def window_end(E):
-                    return up(12288 + 4 * (R * R + E + 4 * R + 4), 16) + 64 * R
+@needs_native
+def test_the_32x_bound_holds_for_the_native_layout():
+    """With E_a <= 32 E_b, the peer-written window of E_a ends before the rows of E_b (R = 1..8)."""
+    from jax_ep.config import MAX_NORMAL_EXPERTS_SPREAD
 
-                def rows_start(E):
-                    return up(window_end(E) + 128 * (R + E), 256)
+    m = _native.module()
 
-                for E in (small, large):
-                    assert m.normal_buffer_bytes(128, 1, 1, R, 1, E) == rows_start(E) + up(512 * R, 256) + 4 * 256
-                assert window_end(large) <= rows_start(small), (R, small, large)
+    def up(n, a):
+        return -(-n // a) * a
+
+    # staging_layout.h by hand: the peer-written window (counts, expert counts, receive targets) ends at
+    # align16(12288 + 4 (R^2 + E + 4R + 4)) + 64 R; then the notify scratch of 128 (R + E) bytes, aligned to 256, then
+    # the rows (H=128, T_max=1, capacity 1: R rows of 512 bytes, and four 256-byte regions)
+    def window_end(R, E):
+        return up(12288 + 4 * (R * R + E + 4 * R + 4), 16) + 64 * R
+
+    def rows_start(R, E):
+        return up(window_end(R, E) + 128 * (R + E), 256)
+
+    for R in (1, 2, 4, 8):
+        for small in (R, 8 * R, 64 * R):
+            large = MAX_NORMAL_EXPERTS_SPREAD * small
+            for E in (small, large):
+                assert m.normal_buffer_bytes(128, 1, 1, R, 1, E) == rows_start(R, E) + up(512 * R, 256) + 4 * 256
+            assert window_end(R, large) <= rows_start(R, small), (R, small, large)
 
 
 def test_initialize_refuses_configs_of_one_axis_too_far_apart_in_num_experts():
