@@ -87,11 +87,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
       __threadfence();  // this block's counts before its ticket
       uint32_t* done = header_word(self, SignalHeader::kBlockDone);
       s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-      if (s_last) atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+      if (s_last) {
+        atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+        __threadfence();       // the other blocks' counts (each fenced before its ticket) after this block's ticket
+      }
     }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();  // the other blocks' counts (each fenced before its ticket) after this block's ticket
     for (int r = tid; r < R; r += blockDim.x) {  // chunk counts -> each chunk's first position; the rank totals
       int32_t running = 0;
       for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {
