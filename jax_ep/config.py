@@ -30,13 +30,6 @@ FP8_BLOCK = 128                 # kFp8Block: channels per fp8 scale; fp8 needs H
 # side checks the literal (xla_ffi/normal_ffi.cc `row_bytes % 16 == 0`, xla_ffi/op_state.cc `hidden % 8`).
 ROW_ALIGN_BYTES = 16
 HIDDEN_MULTIPLE = ROW_ALIGN_BYTES // 2  # bf16
-# The configs of one mesh axis share its staging (no C++ constant: a bound of the layout). A dispatch on the NVLink
-# kernels writes its counts into the peers' count region (whose end grows with E) with its count exchange as its only
-# rendezvous, while a peer may still read the rows of its previous op, which begin after that op's config's signal
-# region. The count region of a config with E_a experts ends before the rows of one with E_b whenever
-# E_a <= 32 * E_b (cuda/include/jax_ep/staging_layout.h: the notify scratch, 128 * (R + E) bytes, lies between;
-# tests/test_buffer_plan.py checks the bound against the native layout). Checked by initialize.
-MAX_NORMAL_EXPERTS_SPREAD = 32
 
 # low_latency_buffers=None allocates the low-latency buffers only for decode-sized configs (T_max up to this).
 LOW_LATENCY_AUTO_MAX_TOKENS = 256

@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant_
 // exchange alone, so only one block ever waits for peers.
 // NOTE (no barrier): the count exchange is this op's only rendezvous. Every region this kernel writes into a peer
 // (counts, expert_counts, recv_targets) is read by that peer only in its notify and send-rows kernels, which end
-// before its data signal, and lies below the rows of every config sharing the staging (initialize bounds their E:
-// jax_ep/config.py MAX_NORMAL_EXPERTS_SPREAD). This rank waited for that signal of the previous dispatch
+// before its data signal, and lies below the rows of every config sharing the staging (staging_layout.h:
+// recv_targets_offset ends it at one offset for every E). This rank waited for that signal of the previous dispatch
 // (wait_data_kernel), and any other op in between (combine, cached dispatch) has a barrier of its own. Staging rows
 // are written only by the send that follows, after this rank has seen every peer's count signal of this op, i.e.
 // after every peer has finished all of its earlier ops. The arrival counts (kBarrierIn) are still raised, without
@@ -87,11 +87,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
       __threadfence();  // this block's counts before its ticket
       uint32_t* done = header_word(self, SignalHeader::kBlockDone);
       s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-      if (s_last) atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+      if (s_last) {
+        atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
+        __threadfence();       // the other blocks' counts (each fenced before its ticket) after this block's ticket
+      }
     }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();  // the other blocks' counts (each fenced before its ticket) after this block's ticket
     for (int r = tid; r < R; r += blockDim.x) {  // chunk counts -> each chunk's first position; the rank totals
       int32_t running = 0;
       for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from .. import _native
-from ..config import MAX_GROUP_RANKS, MAX_NORMAL_EXPERTS_SPREAD, EPConfig
+from ..config import MAX_GROUP_RANKS, EPConfig
 from ..errors import EPError
 from .kernel_env import kernel_environment, pull_combine_min_bytes
 from .transport import requested as requested_transport
@@ -293,7 +293,6 @@ def _build(mesh, configs, retired: list) -> Runtime:
     multi = jax.process_count() > 1 or (bool(cuda_configs) and _one_process_per_gpu())
     ranks_by_axis = {c.axis_name: len(groups[c.axis_name][0].device_ids) for c in cuda_configs}
     _check_normal_transport(cuda_configs, ranks_by_axis, multi)
-    _check_normal_experts_spread(configs, {c.axis_name: len(groups[c.axis_name][0].device_ids) for c in configs})
     _check_low_latency_transport(cuda_configs, ranks_by_axis, multi)
     axes = sorted({c.axis_name for c in cuda_configs})
     buffer_bytes = ll_offset = ll_bytes = 0
@@ -341,22 +340,6 @@ def _check_normal_transport(cuda_configs, num_ranks: dict, one_process_per_gpu: 
                           f"kernels (R > num_max_nvl_peers={c.num_max_nvl_peers}: a group wider than one NVLink "
                           f"domain), which need one process per GPU: start the program with python -m jax_ep.launch "
                           f"-n N, or set num_max_nvl_peers >= {R}")
-
-
-def _check_normal_experts_spread(configs, num_ranks: dict) -> None:
-    """The configs of one mesh axis whose normal-mode ops run the NVLink kernels may differ in num_experts by at most
-    MAX_NORMAL_EXPERTS_SPREAD times (jax_ep.config), on every backend. num_ranks: axis -> R."""
-    experts: dict = {}
-    for c in configs:
-        if not c.normal_over_nvshmem(num_ranks[c.axis_name]):
-            experts.setdefault(c.axis_name, set()).add(c.num_experts)
-    for axis, values in sorted(experts.items()):
-        if max(values) > MAX_NORMAL_EXPERTS_SPREAD * min(values):
-            raise EPError(f"jax_ep.initialize: the configs of mesh axis {axis!r} have num_experts {min(values)} "
-                          f"and {max(values)}; configs that share an axis's staging may differ in num_experts by at "
-                          f"most {MAX_NORMAL_EXPERTS_SPREAD}x (a dispatch of the larger one could write its counts "
-                          f"over rows of the smaller one that a peer still reads): initialize them on different "
-                          f"mesh axes")
 
 
 def _check_low_latency_transport(cuda_configs, num_ranks: dict, one_process_per_gpu: bool) -> None:

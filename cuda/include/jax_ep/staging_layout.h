@@ -95,12 +95,17 @@ JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
 // Bytes of one rank's entry in recv_targets (normal_params.h: RecvTargets).
 constexpr int64_t kRecvTargetBytes = 64;
 
-JAX_EP_HD int64_t recv_targets_offset(int64_t num_ranks, int64_t num_experts) {
-  return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + num_experts + 4 * num_ranks + 4), 16);
+// The regions peers write into (counts, expert_counts, receive targets) end at the same offset for every E: the
+// expert counts get room for kMaxLayoutExperts. The configs of one axis share the staging, and a dispatch writes these
+// regions with its count exchange as its only rendezvous, while a peer may still read the rows of its previous op
+// (of any config): those rows must never lie under another config's peer-written window.
+JAX_EP_HD int64_t recv_targets_offset(int64_t num_ranks) {
+  return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + kMaxLayoutExperts + 4 * num_ranks + 4), 16);
 }
 
 JAX_EP_HD int64_t notify_scratch_offset(int64_t num_ranks, int64_t num_experts) {
-  return recv_targets_offset(num_ranks, num_experts) + kRecvTargetBytes * num_ranks;
+  (void)num_experts;
+  return recv_targets_offset(num_ranks) + kRecvTargetBytes * num_ranks;
 }
 
 JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
@@ -117,7 +122,7 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
   b.counts = kSignalHeaderBytes;
   b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
-  b.recv_targets = recv_targets_offset(num_ranks, num_experts);
+  b.recv_targets = recv_targets_offset(num_ranks);
   b.notify_scratch = notify_scratch_offset(num_ranks, num_experts);
   b.payload_stride = 4 * hidden;
   b.payload = signal_bytes(num_ranks, num_experts);
