@@ -37,9 +37,11 @@ steps:
                      a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
   shared-gpu-bench   the per-op fixed cost (T=1, jax_ep only, nodes of 8) of each of BENCH_MODES for groups of
                      SHARED_RANKS ranks under MPS (ranks / GPUs processes per GPU; at most 16 per GPU run reliably)
-  first-call         python3 -m jax_ep.bench.first_call, one process and one per GPU: eager, lazy, then eager with
-                     CUDA_MODULE_LOADING=EAGER and with command buffers off. WARMUP_AB=1 instead: eager with
-                     warm-up ops on and off (--no-warmup-ops), XLA preallocation off and on (fraction 0.5)
+  first-call         python3 -m jax_ep.bench.first_call, one process and one per GPU: --op low_latency at T=1 and
+                     T=128 with --mode eager, all_to_all (padded; no jax_ep), xla (control: no collective) and eager
+                     with --warmup-calls 2 (first serving call after jax_ep.warmup); then normal-mode eager and lazy.
+                     WARMUP_AB=1 instead: eager with warm-up ops on and off (--no-warmup-ops), XLA preallocation off
+                     and on (fraction 0.5)
   cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
   signal-cost        scripts/signal_cost.cu on GPUs 0 and 1: the cost of a flag per way of ordering the data before it
 variables (default):
@@ -271,16 +273,22 @@ fc() {  # NAME ENV ARGS...: jax_ep.bench.first_call in one process, then one per
     "$@" ${FIRST_CALL_ARGS:-}
 }
 step_first_call() {
-  local pre ops v m DIGEST='PREWARM|FIRST_CALL|^\| |^\[rank 0\] \| ' cb=XLA_FLAGS=--xla_gpu_enable_command_buffer=
+  local pre ops t m DIGEST='PREWARM|FIRST_CALL|^\| |^\[rank 0\] \| '
   FC_GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')}; [ "$FC_GPUS" -gt 0 ] 2>/dev/null || FC_GPUS=$N
   if [ "${WARMUP_AB:-0}" = 1 ]; then  # what initialize's warm-up execution buys, XLA's preallocation off and on
     for pre in false "true XLA_PYTHON_CLIENT_MEM_FRACTION=0.5"; do for ops in "" --no-warmup-ops; do
       fc "eager PREALLOCATE=$pre ${ops:-warmup-ops}" "XLA_PYTHON_CLIENT_PREALLOCATE=$pre" --mode eager $ops; done; done
     return
   fi
-  for m in eager lazy; do fc "$m" "" --mode $m; done
-  # where the first call's extra time goes
-  for v in CUDA_MODULE_LOADING=EAGER $cb; do fc "eager $v" "$v" --mode eager; done
+  # the decode-sized op: jax_ep against the padded all_to_all program and the XLA control, and the first serving
+  # call after jax_ep.warmup (20 fresh processes of 6-15 s each)
+  for t in 1 128; do
+    for m in eager all_to_all xla; do
+      fc "low_latency T=$t $m" "" --op low_latency --tokens "$t" --mode "$m"
+    done
+    fc "low_latency T=$t eager warmup-calls=2" "" --op low_latency --tokens "$t" --mode eager --warmup-calls 2
+  done
+  for m in eager lazy; do fc "normal $m" "" --mode $m; done
 }
 step_cpu_suite() { run "cpu suite" 240 "${PYTEST[@]}" tests/test_{gradients,vjp_rules,programs,errors}.py; }
 step_signal_cost() { local DIGEST='round trip'
