@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/copy.cuh"
+#include "common/last_block.cuh"
 #include "common/ptx.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
@@ -255,23 +256,6 @@ __device__ __forceinline__ int32_t block_exclusive_scan(int32_t* v, int n, int32
   const int32_t total = s_warp[num_warps() - 1];
   __syncthreads();
   return total;
-}
-
-// All threads of every block, at the end of a send kernel: true in every thread of the last block to get here
-// (after every other block counted itself, each after a system-scope fence of its peer stores); the counter is
-// reset for the next kernel. s_last: one int of shared memory.
-__device__ __forceinline__ bool last_block_all(uint32_t* counter, int32_t* s_last) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's peer stores and counter atomics before it is counted
-    *s_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
-    if (*s_last) {
-      atomicExch(counter, 0u);
-      __threadfence();
-    }
-  }
-  __syncthreads();
-  return *s_last != 0;
 }
 
 // ---- launch shapes (per_expert kernels of both transports) ----

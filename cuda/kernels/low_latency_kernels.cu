@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
   if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendBody);
-  if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  if (!last_block<TicketScope::kGpu>(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
   phase_stamp(g_ll_phases, kPhaseSendLast);
   if (s_gate.work) publish_combine_flags(p, s_gate.epoch);
   __syncthreads();

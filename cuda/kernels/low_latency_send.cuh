@@ -10,10 +10,10 @@
 //               expert l), then the flag r_flags[me]: the receiver places every row without scanning the messages
 // NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
-// NOTE (ordering of the publish): every block fenced its peer stores (__threadfence_system) before counting itself
-// done; the last block saw all of them counted, fenced, and then each thread writes counts and releases flags
-// (st.release.sys: cumulative, no separate fence; per_rank: the counts of every destination, __syncthreads, then
-// each destination's flag).
+// NOTE (ordering of the publish): every block takes a GPU-scope acq_rel ticket after its peer stores
+// (common/last_block.cuh); the last block acquired all of them, then each thread writes counts and releases flags
+// (st.release.sys: cumulative over every block's stores; per_rank: the counts of every destination, __syncthreads,
+// then each destination's flag).
 #pragma once
 
 #include "kernels/low_latency_device.cuh"
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kSendThreads) low_latency_dispatch_send_kernel
   if (s_gate.work) dispatch_send_body<kPerRank>(p, s_gate.epoch, s_row);  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendBody);
-  if (!last_block_all(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  if (!last_block<TicketScope::kGpu>(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
   phase_stamp(g_ll_phases, kPhaseSendLast);
   if (s_gate.work) publish_counts<kPerRank>(p, s_gate.epoch);
   __syncthreads();

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant_
 // waiting, so later barriers keep counting ops.
 __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ layout::TileSmem<kNotifyThreads> sm;
-  __shared__ bool s_last;
+  __shared__ int32_t s_last;
   extern __shared__ int32_t s_expert[];  // [E]
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R, E = p.num_experts;
@@ -82,18 +82,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
   if (gridDim.x > 1) {
     for (int r = tid; r < R; r += blockDim.x) chunk_counts[blockIdx.x * R + r] = sm.rank_base[r];
     for (int e = tid; e < E; e += blockDim.x) chunk_experts[blockIdx.x * E + e] = s_expert[e];
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();  // this block's counts before its ticket
-      uint32_t* done = header_word(self, SignalHeader::kBlockDone);
-      s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-      if (s_last) {
-        atomicExch(done, 0u);  // every block has counted itself: reset for the next kernel
-        __threadfence();       // the other blocks' counts (each fenced before its ticket) after this block's ticket
-      }
-    }
-    __syncthreads();
-    if (!s_last) return;
+    // the last block reads every block's chunk counts (GPU-scope tickets order them)
+    if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
     for (int r = tid; r < R; r += blockDim.x) {  // chunk counts -> each chunk's first position; the rank totals
       int32_t running = 0;
       for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {

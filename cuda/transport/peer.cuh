@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "common/last_block.cuh"
 #include "common/ptx.cuh"
 #include "jax_ep/constants.h"
 #include "jax_ep/group_ctx.h"
@@ -84,20 +85,10 @@ __device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t f
 // End of a kernel that wrote rows into peers: the last block to finish tells every rank that all rows of this op
 // from this rank are in place (its threads signal the ranks in parallel). Called by every thread of every block.
 __device__ __forceinline__ void finish_and_signal_data(const GroupCtx& g, uint32_t epoch) {
-  __shared__ bool s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's peer stores happen before it is counted
-    uint32_t* done = header_word(self_base(g), SignalHeader::kBlockDone);
-    s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-    if (s_last) {
-      atomicExch(done, 0u);  // every block has counted itself: reset for the next op
-      __threadfence();       // ... after every other block's fence and count: their stores precede the signals
-    }
-  }
-  __syncthreads();
-  if (s_last)
-    for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+  __shared__ int32_t s_last;
+  // GPU-scope tickets: each signal is a release at system scope, cumulative over every block's stores and loads
+  if (!last_block<TicketScope::kGpu>(header_word(self_base(g), SignalHeader::kBlockDone), &s_last)) return;
+  for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
 }
 
 }  // namespace jax_ep

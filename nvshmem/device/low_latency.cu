@@ -219,7 +219,7 @@ __device__ __forceinline__ void nvshmem_receive_frame(const Params& p, Body body
   __syncthreads();
   if (s_gate.work) body(s_gate.epoch);  // block-uniform
   phase_stamp(g_low_latency_phases, kPhaseRecvBody);
-  if (!last_block_all(low_latency_word(c.g, SignalHeader::kLowLatencyRecvDone), &s_last)) return;
+  if (!last_block<TicketScope::kSystem>(low_latency_word(c.g, SignalHeader::kLowLatencyRecvDone), &s_last)) return;
   phase_stamp(g_low_latency_phases, kPhaseRecvLast);
   if (s_gate.work) {
     uint64_t* words = signal_words(c, s_gate.epoch);
@@ -271,8 +271,8 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   //     dispatch's messages or a combine's staged rows) are known to have been read only once that peer counted
   //     op n-2 consumed (its signal arrives after the data), and no quiet ran since. So warp 0 waits for these
   //     before token_slots' first __syncthreads, which orders it before any staging (never stage before it).
-  // A block without a token waits after the loop: it may be the last block, whose announces last_block_all orders
-  // after every block's wait.
+  // A block without a token waits after the loop: it may be the last block, whose announces last_block (system
+  // scope) orders after every block's wait.
   if (warp == 0 && static_cast<int>(blockIdx.x) < T)
     for (int d = lane_id(); d < R; d += 32)
       if (g_test_all_peers_remote || nvshmem_ptr(self, g.pe[d]) == nullptr) wait_consumed_nvshmem(c, d, epoch);
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_dispatch_send_kernel(con
               consumed_words(c));
   __syncthreads();
   if (s_gate.work) dispatch_send_body(p, s_gate.epoch, part_bytes);  // block-uniform
-  if (!last_block_all(low_latency_word(c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  if (!last_block<TicketScope::kSystem>(low_latency_word(c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
   phase_stamp(g_low_latency_phases, kPhaseSendLast);
   if (s_gate.work) {  // every expert's count, 0 included, to its owner (threads in parallel), counters reset
     uint32_t* counts = reinterpret_cast<uint32_t*>(self_base(c.g) + c.low_latency.scratch);
