@@ -12,9 +12,10 @@ from .errors import EPError
 
 BACKENDS = ("auto", "cuda", "reference")
 LOW_LATENCY_MODES = ("auto", "per_expert", "per_rank")
-# low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows (see
-# EPConfig.low_latency_mode_for).
+# low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows and the config's
+# max_tokens_per_rank is at least PER_RANK_MIN_TOKENS (see EPConfig.low_latency_mode_for).
 PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
+PER_RANK_MIN_TOKENS = 128
 
 # ---- limits of the CUDA kernels (docs/API.md, "Errors and edge cases") ------------------------------------------
 # Every backend validates them at trace time (jax_ep/ops/validation.py: check_kernel_limits), so a program that runs on
@@ -67,9 +68,9 @@ class EPConfig:
         layout): one copy per (token, expert), weighted sum at the source. "per_rank": one copy per (token,
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
-        only in rounding (docs/SPEC.md). "auto": per_rank when it moves at most 2/3 of per_expert's rows for
-        uniform routing (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below).
-        Default "per_expert" (DeepEP's layout). Both modes are timed in docs/BENCHMARKS.md.
+        only in rounding (docs/SPEC.md). "auto" (default): per_rank when max_tokens_per_rank >= 128 and it moves
+        at most 2/3 of per_expert's rows for uniform routing, else per_expert (low_latency_mode_for; always
+        per_expert on the NVSHMEM kernels, see below). Both modes are timed in docs/BENCHMARKS.md.
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
@@ -95,7 +96,7 @@ class EPConfig:
     num_sms: int = 24
     timeout_seconds: float = 100.0
     low_latency_buffers: Optional[bool] = None
-    low_latency_mode: str = "per_expert"
+    low_latency_mode: str = "auto"
     allow_nvlink_for_low_latency: bool = True
 
     def __post_init__(self):
@@ -170,18 +171,20 @@ class EPConfig:
         return self.low_latency_buffers
 
     def low_latency_mode_for(self, num_ranks: int) -> str:
-        """'per_expert' or 'per_rank': low_latency_mode, with "auto" resolved from (R, K) alone.
+        """'per_expert' or 'per_rank': low_latency_mode, with "auto" resolved from (R, K, max_tokens_per_rank).
 
         A token sends K rows in per_expert mode (one per distinct expert) and one row per distinct destination rank
-        in per_rank mode: for K experts drawn uniformly from R ranks, R * (1 - (1 - 1/R)^K) on average. "auto" picks
-        per_rank when that is at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the rows),
+        in per_rank mode: for K experts drawn uniformly from R ranks, R * (1 - (1 - 1/R)^K) on average. per_rank
+        has more fixed steps per op (the receiver expands messages, the combine pushes the weights first), so it
+        wins only once there are enough rows: "auto" picks per_rank when max_tokens_per_rank >= PER_RANK_MIN_TOKENS
+        (128) and the rows are at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the rows),
         R=8, K=8 (0.66); not for K=1 (no saving) or R=2, K=2 (3/4). E does not change the ratio (only L = E / R,
         the receiver's fan-out). The same on every backend, so both backends compute the same combine.
         """
         if self.low_latency_mode != "auto":
             return self.low_latency_mode
-        if self.low_latency_over_nvshmem(num_ranks):
-            return "per_expert"  # the NVSHMEM kernels' one mode
+        if self.low_latency_over_nvshmem(num_ranks) or self.max_tokens_per_rank < PER_RANK_MIN_TOKENS:
+            return "per_expert"  # the NVSHMEM kernels' one mode; per_rank's fixed steps outweigh its rows
         k = self.num_topk
         per_rank_rows = num_ranks * (1.0 - (1.0 - 1.0 / num_ranks) ** k)
         return "per_rank" if per_rank_rows <= PER_RANK_MAX_ROW_FRACTION * k else "per_expert"

@@ -502,12 +502,14 @@ def test_bad_low_latency_mode(mode):
                                                      (2, 8, "per_rank"), (4, 4, "per_expert"),
                                                      (4, 8, "per_rank"), (8, 8, "per_rank")])
 def test_auto_low_latency_mode_follows_the_documented_rule(num_ranks, topk, expected):
-    c = jax_ep.EPConfig(64, H, topk, T, low_latency_mode="auto")
     rows = num_ranks * (1 - (1 - 1 / num_ranks) ** topk)  # expected distinct ranks per token, uniform routing
     assert (rows <= 2 / 3 * topk) == (expected == "per_rank")
-    assert c.low_latency_mode_for(num_ranks) == expected
-    for fixed in ("per_expert", "per_rank"):
-        assert jax_ep.EPConfig(64, H, topk, T, low_latency_mode=fixed).low_latency_mode_for(num_ranks) == fixed
+    for t_max in (1, 127, 128, 256):  # per_rank only from T_max = 128 on: below, its fixed steps cost more
+        want = expected if t_max >= 128 else "per_expert"
+        assert jax_ep.EPConfig(64, H, topk, t_max, low_latency_mode="auto").low_latency_mode_for(num_ranks) == want
+        assert jax_ep.EPConfig(64, H, topk, t_max).low_latency_mode_for(num_ranks) == want  # "auto" is the default
+        for fixed in ("per_expert", "per_rank"):
+            assert jax_ep.EPConfig(64, H, topk, t_max, low_latency_mode=fixed).low_latency_mode_for(num_ranks) == fixed
 
 
 # ---- allow_nvlink_for_low_latency (NVSHMEM puts) ---------------------------------------------------------------------
@@ -520,9 +522,9 @@ def test_bad_allow_nvlink_for_low_latency(value):
 def test_nvshmem_low_latency_is_per_expert_only():
     with raises(jax_ep.EPError, "allow_nvlink_for_low_latency=False", "per_rank"):
         cfg(allow_nvlink_for_low_latency=False, low_latency_mode="per_rank")
-    c = jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto", allow_nvlink_for_low_latency=False)
+    c = jax_ep.EPConfig(64, H, 8, 128, low_latency_mode="auto", allow_nvlink_for_low_latency=False)
     assert c.low_latency_mode_for(8) == "per_expert"  # "auto" would pick per_rank at R=8, K=8 over NVLink
-    assert jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto").low_latency_mode_for(8) == "per_rank"
+    assert jax_ep.EPConfig(64, H, 8, 128, low_latency_mode="auto").low_latency_mode_for(8) == "per_rank"
 
 
 def test_nvshmem_low_latency_needs_one_process_per_gpu_and_one_choice_per_axis():
@@ -560,7 +562,7 @@ def test_group_wider_than_nvl_domain_takes_the_nvshmem_low_latency_kernels():
     with raises(jax_ep.EPError, "per_rank", "no NVSHMEM kernels", "num_max_nvl_peers (4)"):
         lifecycle._check_low_latency_transport([cfg(num_max_nvl_peers=4, low_latency_mode="per_rank",
                                                     low_latency_buffers=True)], {"ep": 8}, one_process_per_gpu=True)
-    auto = jax_ep.EPConfig(64, H, 8, T, low_latency_mode="auto", num_max_nvl_peers=4)
+    auto = jax_ep.EPConfig(64, H, 8, 128, low_latency_mode="auto", num_max_nvl_peers=4)
     assert auto.low_latency_mode_for(8) == "per_expert" and auto.low_latency_mode_for(4) == "per_rank"
 
 
