@@ -48,6 +48,8 @@ def test_bench_cli_rounds_interleave_contenders(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     for r in data["results"]:
         assert len(r["reps_us"]) == 2 and min(r["reps_us"]) <= r["us"] <= max(r["reps_us"]), r
+        # one loop per round (--loops 1): each round's median is its one loop
+        assert [round(v, 2) for v in r["reps_us"]] == r["loops_us"], r
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| normal | 8 | jax_ep dispatch bf16 |"))
     assert re.search(r"\| [0-9.]+x \([0-9.]+-[0-9.]+\) \|", row), row
 

@@ -153,7 +153,7 @@ def _prepare(case, args):
 def _time_cases(cases, mode, tokens, experts, args):
     """Every case of one sweep compiled first, then timed in `args.repeat` rounds, each round timing every case in
     turn (`args.loops` loops each): contenders interleaved, so drift between rounds hits all of them alike. A case's
-    time is the median of its rounds' medians; reps_us keeps each round's."""
+    time is the median of its rounds' medians; reps_us keeps each round's, loops_us every loop's."""
     prepared, results = [], []
     for i, case in enumerate(cases):
         print(f"[{mode} T={tokens}] {i + 1}/{len(cases)} {case.name} ...", flush=True)
@@ -171,6 +171,7 @@ def _time_cases(cases, mode, tokens, experts, args):
             with case.setting():
                 samples = measure(prep, args.loops)
             reps.append(statistics.median(samples))
+            prep.loops_us.extend(s * 1e6 for s in samples)
             spread = (max(samples) - min(samples)) / reps[-1]
             prep.loop_spread = spread
             print(f"[{mode} T={tokens}] round {rep + 1}/{args.repeat} {case.name}: {reps[-1] * 1e6:9.1f} us "
@@ -183,6 +184,7 @@ def _time_cases(cases, mode, tokens, experts, args):
         results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
                             nvl=args.nvl, ranks=case.mesh.devices.size, name=case.name, kind=case.kind,
                             op=case.op_kind, us=us, gbps=gbps, spread=spread, reps_us=[r * 1e6 for r in reps],
+                            loops_us=[round(v, 2) for v in prep.loops_us],
                             first_call_us=None if prep.first_call is None else prep.first_call * 1e6,
                             single_call_us=None if prep.single_call is None else prep.single_call * 1e6,
                             bytes_received=case.bytes_received))

@@ -65,6 +65,7 @@ class Prepared:
     first_call: float | None
     single_call: float | None
     loop_spread: float | None = None  # (max - min) / median of the last measured loops
+    loops_us: list = dataclasses.field(default_factory=list)  # us per call of every measured loop, in order
 
 
 def prepare_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
