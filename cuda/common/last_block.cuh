@@ -11,9 +11,9 @@ namespace jax_ep {
 // What a block's ticket orders before the last block goes on. In both, the __syncthreads before thread 0 takes the
 // ticket orders every load and store of the block before it.
 //   kGpu     the ticket is an acq_rel add at GPU scope: each ticket releases its block's work and the last one
-//            acquires all of it. A release at any scope by any thread of the last block after last_block returns is
-//            cumulative over that work, so one st.release.sys signal publishes every block's peer stores to a peer
-//            that acquires it (the NVLink kernels' signals: transport/peer.cuh).
+//            acquires all of it. A release by any thread of the last block after last_block returns is cumulative
+//            over that work, so one st.release.sys signal publishes every block's peer stores to a peer that
+//            acquires it at system scope (the NVLink kernels' signals: transport/peer.cuh).
 //   kSystem  each block fences at system scope (__threadfence_system) before its ticket: every block's work is
 //            performed at system scope before the last block goes on (the NVSHMEM kernels, which announce with
 //            NVSHMEM signal operations).

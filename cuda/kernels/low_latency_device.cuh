@@ -1,6 +1,6 @@
 // Device helpers shared by the low-latency kernels of both modes (low_latency_kernels.cu: per_expert,
-// low_latency_per_rank_kernels.cu: per_rank): launch shapes, the fp8 quantizer of SPEC §4, token slots and positions,
-// the last-block pattern.
+// low_latency_per_rank_kernels.cu: per_rank): launch shapes, the fp8 quantizer of SPEC §4, token slots and positions
+// (the last-block tickets: common/last_block.cuh).
 #pragma once
 
 #include <cuda_bf16.h>

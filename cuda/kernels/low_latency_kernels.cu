@@ -15,7 +15,7 @@
 // Every kernel: open (read the chain state / token, decide) -> body (only when the op works) -> finish (the last block
 // writes the output state): low_latency_protocol.cuh, low_latency_params.h. A skipped op waits for nothing and writes to no peer.
 // Epochs, halves and single-writer flags: see cuda/include/jax_ep/staging_layout.h. Memory ordering as in
-// transport/peer.cuh: peer stores -> __syncthreads (or fence + last-block count) -> st.release.sys of the flag; the
+// transport/peer.cuh: peer stores -> __syncthreads (and the last-block tickets) -> st.release.sys of the flag; the
 // reader spins with ld.acquire.sys, then __syncthreads, then reads peer-written data with ld.cg (L1 is not coherent
 // with peer stores).
 // NOTE: the receive kernels spin inside their (at most ~2 x SMs) blocks instead of in a separate one-warp kernel:
