@@ -9,9 +9,9 @@
 // Memory ordering: writes to a peer are followed by a st.release.sys of the epoch to the peer's flag word, by the
 // writing thread or by one ordered after the writers (__syncthreads, or the GPU-scope acq_rel tickets of
 // common/last_block.cuh that the releasing block's ticket acquired): a release is cumulative, so no separate fence
-// precedes it (a system-scope fence is costly with peer stores in flight: docs/BENCHMARKS.md "Signal cost"). The reader spins with
-// ld.acquire.sys, then a __syncthreads() orders the rest of its block, and peer-written data is read with
-// L1-bypassing loads (ld.cg): L1 is not coherent with peer stores.
+// precedes it (a system-scope fence is costly with peer stores in flight: docs/BENCHMARKS.md "Signal cost"). The
+// reader spins with ld.acquire.sys, then a __syncthreads() orders the rest of its block, and peer-written data is
+// read with L1-bypassing loads (ld.cg): L1 is not coherent with peer stores.
 #pragma once
 
 #include <cstdint>
