@@ -33,6 +33,9 @@ steps:
   low-latency-ratio  low-latency NVSHMEM / NVLink time at EP2, less noisy than one bench run: REPS alternations of
                      CONFIGS, CALLS chained calls per loop; a table of medians and ratios to the first config
   low-latency-ab     low-latency bench of the tree in OLD, then of this one, each built, at EP2 with --nvl 8 and 1
+  chain-ab           kernel periods of the tree in OLD against this one, one process on every GPU: both built as
+                     wheels into SCRATCH, then REPS rounds of python3 -m jax_ep.bench.chain_gaps CHAIN_ARGS with
+                     JAX_EP_TEST_PHASES=1, new then old; the editable install of this tree is restored after
   shared-gpu         groups larger than the GPUs (launch --processes-per-gpu) under the CUDA MPS daemon (started as
                      a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
   shared-gpu-bench   the per-op fixed cost (T=1, jax_ep only, nodes of 8) of each of BENCH_MODES for groups of
@@ -60,7 +63,8 @@ variables (default):
   BENCH_ARGS  more arguments of bench (default: its GPU defaults)
   BENCH_MODES (low_latency normal)  LOW_LATENCY_TOKENS (1,32,128)  TOKENS (4096, normal mode)  PUT_SWEEP (none)
   REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
-  OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)
+  OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)  CHAIN_ARGS (--ll-tokens 1,128 --only
+     "jax_ep LL dispatch fp8,jax_ep LL combine"; e.g. --mode normal --tokens 256,4096 --only "jax_ep dispatch bf16")
   SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  SHARED_RANKS (16 32; 64 on 4 GPUs)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
 e.g.  scripts/gpu.sh check;  N=4 SAN_PROGRAMS=normal JAX_EP_SANITIZE_NVL=2 scripts/gpu.sh sanitize
 EOF
@@ -232,6 +236,28 @@ step_low_latency_ab() {
   done
   BUILT=  # the tree installed last may be OLD's
 }
+ab_wheel() {  # TAG DIR: DIR built as a wheel, installed into SCRATCH/site_TAG (no editable install involved)
+  if [ -n "$DRY" ]; then echo "  [wheel $1] pip wheel $2 -> $SCRATCH/wheels_$1, pip install --target $SCRATCH/site_$1"
+    return 0; fi
+  rm -rf "$SCRATCH/wheels_$1" "$SCRATCH/site_$1"
+  env -C "$2" "$PY" -m pip wheel --no-build-isolation --no-deps -w "$SCRATCH/wheels_$1" . &&
+    "$PY" -m pip install -q --no-deps --no-compile --target "$SCRATCH/site_$1" "$SCRATCH/wheels_$1"/jax_ep-*.whl
+}
+step_chain_ab() {
+  local tag rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
+  [[ $old == /* ]] || old=$ROOT/$old
+  run "wheel old" 300 ab_wheel old "$old" && run "wheel new" 300 ab_wheel new "$ROOT" || return
+  run "uninstall editable" 60 "$PY" -m pip uninstall -y -q jax_ep  # it would shadow PYTHONPATH
+  for rep in $(seq 1 "${REPS:-2}"); do
+    for tag in new old; do
+      PREFIX="$tag $rep: "
+      # shellcheck disable=SC2086  # CHAIN_ARGS is a list of arguments
+      run "chain_gaps $tag $rep" 150 env -C "$SCRATCH" PYTHONPATH="$SCRATCH/site_$tag" JAX_EP_TEST_PHASES=1 "$PY" -m \
+        jax_ep.bench.chain_gaps ${CHAIN_ARGS:---ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine"}
+    done
+  done
+  PREFIX=; run "restore editable" 300 "$PY" -m pip install --no-build-isolation --no-deps -e .
+}
 MPS=
 stop_mps() {
   [ -z "$MPS" ] || run "mps stop" 30 sh -c 'echo quit | "$0"' "$MPS"; MPS=
@@ -312,7 +338,7 @@ for s in "$@"; do
   case $s in
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
-    low-latency-ratio|low-latency-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite|signal-cost|rank-loops)
+    low-latency-ratio|low-latency-ab|chain-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite|signal-cost|rank-loops)
       STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac

@@ -1,0 +1,57 @@
+"""scripts/gpu.sh without a GPU: DRY_RUN=1 prints every step's commands and runs none of them. Every step its --help
+lists is one the script accepts (and prints), the steps it accepts are the ones --help lists, and a step it does not
+know is refused with exit status 2."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu.sh"
+
+
+def _gpu_sh(*args, dry=True):
+    env = dict(os.environ, DRY_RUN="1") if dry else dict(os.environ)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _listed_steps():
+    """The step names of --help: the first word of each line between 'steps:' and 'variables'."""
+    text = _gpu_sh("--help", dry=False).stdout
+    body = text.split("\nsteps:\n", 1)[1].split("\nvariables", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^  ([a-z][a-z-]*) ", body, flags=re.M)]
+
+
+def _accepted_steps():
+    """The step names of the script's dispatch `case` (the loop over its arguments), up to its catch-all `*)`."""
+    text = SCRIPT.read_text()
+    block = text.split('for s in "$@"; do\n  case $s in\n', 1)[1].split("\n    *)", 1)[0]
+    return [name for m in re.finditer(r"^    ([a-z|-]+)\)", block, flags=re.M) for name in m.group(1).split("|")]
+
+
+def test_help_lists_exactly_the_accepted_steps():
+    listed, accepted = _listed_steps(), _accepted_steps()
+    assert listed and sorted(listed) == sorted(set(listed)), listed
+    assert sorted(listed) == sorted(accepted), (listed, accepted)
+
+
+@pytest.mark.parametrize("step", _listed_steps())
+def test_every_step_prints_its_commands(step):
+    proc = _gpu_sh(step)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "# DRY_RUN" in proc.stdout
+    # check expands to build suite multiprocess sanitize; every other step prints its own header
+    headers = ["build", "suite", "multiprocess", "sanitize"] if step == "check" else [step]
+    for h in headers:
+        assert f"== {h}\n" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_unknown_step_is_refused():
+    proc = _gpu_sh("no-such-step")
+    assert proc.returncode == 2
+    assert "unknown step 'no-such-step'" in proc.stderr
