@@ -83,3 +83,21 @@ def test_reliability_cli_small_cpu_run():
     assert "4 x cpu" in proc.stdout
     assert "final LL state [12, 0, 0, 0]" in proc.stdout and ": OK" in proc.stdout
     assert "lifecycle: skipped (no CUDA backend here" in proc.stdout
+
+
+def test_bench_cli_calls_below_the_configs_token_budget(tmp_path):
+    """--ll-max-tokens: the low-latency configs hold T_max tokens, the calls pass fewer (a decoder sized for its
+    largest batch); below --ll-tokens it is a usage error naming the option."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    base = [sys.executable, "-m", "jax_ep.bench", "--mode", "low_latency", "--ll-tokens", "1,3", "--hidden", "128",
+            "--ll-experts", "8", "--topk", "2", "--calls", "2", "--loops", "1", "--ll-mode", "per_expert,per_rank",
+            "--only", "jax_ep LL dispatch fp8", "--out", str(tmp_path)]
+    proc = subprocess.run(base + ["--ll-max-tokens", "8"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert sorted((r["tokens"], r["name"]) for r in rows) == [
+        (1, "jax_ep LL dispatch fp8"), (1, "jax_ep LL dispatch fp8 (per_rank)"),
+        (3, "jax_ep LL dispatch fp8"), (3, "jax_ep LL dispatch fp8 (per_rank)")], rows
+    assert all(r["max_tokens"] == 8 and r["us"] > 0 for r in rows), rows
+    bad = subprocess.run(base + ["--ll-max-tokens", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--ll-max-tokens 2 is below --ll-tokens 3" in bad.stderr, bad.stderr[-1000:]

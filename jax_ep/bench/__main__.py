@@ -52,6 +52,10 @@ def parse_args(argv, on_gpu):
                         "nvshmem: per_expert with allow_nvlink_for_low_latency=False (NVSHMEM puts; one process per "
                         "GPU, e.g. JAX_EP_TRANSPORT=nvshmem python -m jax_ep.launch -n 1 -m jax_ep.bench ...; not "
                         "together with the other values: the configs of one axis must agree)")
+    p.add_argument("--ll-max-tokens", type=int, default=None,
+                   help="max_tokens_per_rank (T_max) of the low-latency configs, at least every --ll-tokens value: "
+                        "calls of fewer tokens than the config holds, as a decoder sized for its largest batch makes "
+                        "(default: each --ll-tokens value)")
     p.add_argument("--hidden", type=int, default=7168 if on_gpu else 256, help="H, channels per token (default 7168 on GPUs, 256 on CPU)")
     p.add_argument("--topk", type=int, default=8 if on_gpu else 4, help="K, experts per token (default 8 on GPUs, 4 on CPU)")
     p.add_argument("--experts", type=int, default=256 if on_gpu else 32, help="E of the normal-mode configs (default 256 on GPUs, 32 on CPU)")
@@ -83,6 +87,8 @@ def parse_args(argv, on_gpu):
     if "nvshmem" in args.ll_modes and len(args.ll_modes) > 1:
         p.error("--ll-mode nvshmem runs alone (the configs of one mesh axis must agree on "
                 "allow_nvlink_for_low_latency)")
+    if args.ll_max_tokens is not None and args.ll_max_tokens < max(args.ll_tokens):
+        p.error(f"--ll-max-tokens {args.ll_max_tokens} is below --ll-tokens {max(args.ll_tokens)}")
     if args.repeat < 1 or args.loops < 1:
         p.error(f"--repeat and --loops must be at least 1, got --repeat {args.repeat} --loops {args.loops}")
     return args
@@ -123,9 +129,10 @@ def main(argv=None):
         else:
             cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
                                            backend=args.backend, num_sms=args.num_sms, with_ragged=with_ragged,
-                                           ll_mode=ll_mode, nvl=args.nvl)
+                                           ll_mode=ll_mode, nvl=args.nvl, max_tokens=args.ll_max_tokens)
         cases = [c for c in cases if not only or any(s in c.name for s in only)]
-        results += _time_cases(cases, mode, tokens, experts, args)
+        results += _time_cases(cases, mode, tokens, experts, args,
+                               (args.ll_max_tokens or tokens) if mode == "low_latency" else tokens)
     if gpus and args.mode in ("low_latency", "all") and not only:
         results += low_latency_phases(devices, args, rng)
     print_table(results)
@@ -150,7 +157,7 @@ def _prepare(case, args):
                           num_calls=args.calls, loops=args.loops, first_call=case.first_call, unroll=False)
 
 
-def _time_cases(cases, mode, tokens, experts, args):
+def _time_cases(cases, mode, tokens, experts, args, max_tokens):
     """Every case of one sweep compiled first, then timed in `args.repeat` rounds, each round timing every case in
     turn (`args.loops` loops each): contenders interleaved, so drift between rounds hits all of them alike. A case's
     time is the median of its rounds' medians; reps_us keeps each round's, loops_us every loop's."""
@@ -181,7 +188,7 @@ def _time_cases(cases, mode, tokens, experts, args):
         gbps = case.bytes_received / us / 1e3
         # over the rounds; with one round, over its loops
         spread = (max(reps) - min(reps)) / statistics.median(reps) if len(reps) > 1 else prep.loop_spread
-        results.append(dict(mode=mode, tokens=tokens, hidden=args.hidden, topk=args.topk, experts=experts,
+        results.append(dict(mode=mode, tokens=tokens, max_tokens=max_tokens, hidden=args.hidden, topk=args.topk, experts=experts,
                             nvl=args.nvl, ranks=case.mesh.devices.size, name=case.name, kind=case.kind,
                             op=case.op_kind, us=us, gbps=gbps, spread=spread, reps_us=[r * 1e6 for r in reps],
                             loops_us=[round(v, 2) for v in prep.loops_us],
@@ -196,8 +203,9 @@ def _initialize_all(sweeps, args, devices):
     normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep."""
     from .contenders import bench_config, bench_mesh
 
-    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode, args.nvl)
-               for _, tokens, experts, ll_mode in sweeps]
+    configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode, args.nvl,
+                            args.ll_max_tokens if mode == "low_latency" else None)
+               for mode, tokens, experts, ll_mode in sweeps]
     if configs:
         jax_ep.initialize(bench_mesh(devices), *configs, warmup_ops=not args.no_warmup_ops)
 
@@ -219,7 +227,7 @@ def low_latency_phases(devices, args, rng):
             tag = "" if ll_mode == "per_expert" else f" [{ll_mode}]"
             try:
                 fn, fargs = low_latency_phase_programs(devices, tokens, args.hidden, args.topk, args.ll_experts,
-                                                       rng, args.num_sms, ll_mode, args.nvl)
+                                                       rng, args.num_sms, ll_mode, args.nvl, args.ll_max_tokens)
                 times = kernel_times(fn, fargs, patterns)
             except Exception as e:  # the profiler is optional: say why there are no phase times
                 print(f"[low_latency T={tokens}{tag}] no kernel times: {type(e).__name__}: "

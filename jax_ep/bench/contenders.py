@@ -73,20 +73,23 @@ def bench_mesh(devices) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert", nvl=8) -> jax_ep.EPConfig:
+def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_expert", nvl=8,
+                 max_tokens=None) -> jax_ep.EPConfig:
     """The config of one sweep (the same object everywhere: __main__ initializes all of them up front). ll_mode
     "nvshmem": per_expert rows moved by NVSHMEM puts (allow_nvlink_for_low_latency=False). nvl: num_max_nvl_peers
-    (below R, the LL ops run the NVSHMEM kernels with puts between the simulated nodes)."""
+    (below R, the LL ops run the NVSHMEM kernels with puts between the simulated nodes). max_tokens: T_max
+    (max_tokens_per_rank) when the calls pass fewer tokens than the config holds; default `tokens`."""
     over_nvshmem = ll_mode == "nvshmem"
-    return jax_ep.EPConfig(experts, hidden, topk, tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
+    return jax_ep.EPConfig(experts, hidden, topk, max_tokens or tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
                            low_latency_mode="per_expert" if over_nvshmem else ll_mode,
                            allow_nvlink_for_low_latency=not over_nvshmem, num_max_nvl_peers=nvl)
 
 
-def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert", nvl=8):
+def _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode="per_expert", nvl=8,
+           max_tokens=None):
     """Mesh, initialized config, DeepEP routing (numpy, for byte counts) and the sharded-to-be inputs."""
     mesh = bench_mesh(devices)
-    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode, nvl)
+    cfg = bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode, nvl, max_tokens)
     jax_ep.initialize(mesh, cfg)  # a no-op when __main__ initialized every config of the run already
     idx = deepep_routing(rng, len(devices), tokens, experts, topk)
     spec = P(AXIS)
@@ -196,11 +199,12 @@ def _ragged_combine_case(x, idx, experts, ranks, tokens, mesh, nbytes):
 
 
 def low_latency_contenders(devices, tokens, hidden, topk, experts, rng, backend, num_sms, with_ragged,
-                           ll_mode="per_expert", nvl=8):
+                           ll_mode="per_expert", nvl=8, max_tokens=None):
     """LL contenders of one mode (EPConfig.low_latency_mode; its name is appended unless per_expert), the padded
-    all_to_all and, for per_expert, the overlap and ragged baselines."""
+    all_to_all and, for per_expert, the overlap and ragged baselines. max_tokens: the configs' T_max (default
+    `tokens`); the calls pass `tokens`."""
     ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, backend, num_sms, ll_mode,
-                                         nvl)
+                                         nvl, max_tokens)
     tag = "" if ll_mode == "per_expert" else f" ({ll_mode})"
     pairs = (idx >= 0).sum() / ranks  # rows received per rank: one per (token, expert)
     idx = to_global(idx, mesh, P(AXIS))
@@ -303,9 +307,11 @@ def overlap_cases(cfg, mesh, x, idx, w, recv_x, handle, rng, matmul_n=2048):
     ]
 
 
-def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms, ll_mode="per_expert", nvl=8):
+def low_latency_phase_programs(devices, tokens, hidden, topk, experts, rng, num_sms, ll_mode="per_expert", nvl=8,
+                               max_tokens=None):
     """(fn, args) running LL dispatch fp8 then combine once, for per-kernel times from the profiler."""
-    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms, ll_mode, nvl)
+    ranks, mesh, cfg, idx, x, w = _setup(devices, tokens, hidden, topk, experts, rng, "cuda", num_sms, ll_mode, nvl,
+                                         max_tokens)
     spec = P(AXIS)
 
     def body(x, idx, w):
