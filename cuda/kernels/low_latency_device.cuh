@@ -32,7 +32,9 @@ constexpr int kSegBytes = 2048;        // one warp work item: 128 x 16-byte vect
 constexpr int kSegChannels = 1024;     // dispatch send work item: 1024 channels (= kSegBytes of bf16)
 constexpr float kInvE4m3Max = static_cast<float>(1.0 / 448.0);  // f32(1/448): the SPEC §4 rule as written
 constexpr uint32_t kE4m3NaN = 0x7Fu;   // the e4m3fn NaN code a non-finite channel becomes (jax_ep/fp8.py)
-constexpr int kMaxSendSharedBytes = 48 * 1024;  // dynamic shared memory without an opt-in: fp8 H <= 47662
+// Shared memory of a block without an opt-in, static and dynamic together: the dispatch sends hold their own (under
+// 3 KB) plus H + H/32 bytes of one quantized row, so fp8 H up to about 44800 fits.
+constexpr int kMaxSendSharedBytes = 48 * 1024;
 
 __device__ __forceinline__ bool is_finite(float f) { return fabsf(f) < __int_as_float(0x7f800000); }  // NaN: false
 
@@ -305,11 +307,19 @@ inline Status launched(const char* what) {
   return Status::Error(std::string(what) + " launch failed: " + cudaGetErrorString(e));
 }
 
-inline Status check_send_shared(int smem, int hidden) {
-  if (smem <= kMaxSendSharedBytes) return Status::Ok();
+// static_smem: the kernel's own shared memory (cudaFuncAttributes::sharedSizeBytes); smem: its dynamic part.
+inline Status check_send_shared(int static_smem, int smem, int hidden) {
+  if (static_smem + smem <= kMaxSendSharedBytes) return Status::Ok();
   return Status::Error("low-latency dispatch send: hidden=" + std::to_string(hidden) + " needs " +
-                       std::to_string(smem) + " bytes of shared memory for one fp8 row (at most " +
-                       std::to_string(kMaxSendSharedBytes) + ")");
+                       std::to_string(smem) + " bytes of shared memory for one fp8 row beside the kernel's " +
+                       std::to_string(static_smem) + " (at most " + std::to_string(kMaxSendSharedBytes) +
+                       " in all)");
+}
+
+// A kernel's static shared memory in bytes, or -1 when CUDA cannot say (then the launch reports the error).
+inline int static_shared_bytes(const void* kernel) {
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, kernel) == cudaSuccess ? static_cast<int>(a.sharedSizeBytes) : -1;
 }
 
 }  // namespace jax_ep::low_latency

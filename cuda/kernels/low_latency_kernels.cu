@@ -166,7 +166,10 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream) {
   const int grid = send_grid(p);
   const int smem = send_shared_bytes(p.use_fp8, p.c.hidden);
-  JAX_EP_RETURN_IF_ERROR(check_send_shared(smem, p.c.hidden));
+  static const int static_smem[2] = {  // a property of the kernel, not of the GPU: asked once
+      static_shared_bytes(reinterpret_cast<const void*>(low_latency_dispatch_send_kernel<false>)),
+      static_shared_bytes(reinterpret_cast<const void*>(low_latency_dispatch_send_kernel<true>))};
+  JAX_EP_RETURN_IF_ERROR(check_send_shared(std::max(0, static_smem[p.per_rank ? 1 : 0]), smem, p.c.hidden));
   if (p.per_rank)
     low_latency_dispatch_send_kernel<true><<<grid, kSendThreads, smem, stream>>>(p);
   else

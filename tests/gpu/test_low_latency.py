@@ -165,6 +165,20 @@ def _check_dispatch(mode, ranks, tokens, use_fp8, hidden, split):
         np.testing.assert_array_equal(g_x.view(view), valid_rows(per_expert).view(view), err_msg="vs per_expert")
 
 
+def test_fp8_row_beyond_shared_memory_is_an_error_naming_hidden():
+    """per_rank's dispatch send holds ~2.9 KB of static shared memory beside one quantized row (H + H/32 bytes) in
+    the 48 KB a block gets without an opt-in: H=45056 fits the row alone (46464 bytes) but not both. The op fails
+    with a message naming hidden and the shared memory, not a bare launch failure; per_expert (~1.7 KB of its own)
+    still fits and matches the reference at that H."""
+    hidden = 45056
+    _, mesh, cfgs = _setup("per_rank", 1, hidden)
+    x, idx, _ = _inputs(np.random.default_rng(7), "per_rank", 1, 2, hidden)
+    with pytest.raises(Exception, match=r"hidden=45056 needs 46464 bytes of shared memory"):
+        jax.block_until_ready(_dispatch_program(cfgs["cuda"], mesh, True, False)(x, idx))
+    jax_ep.finalize()
+    _check_dispatch("per_expert", 1, 2, True, hidden, False)
+
+
 def _round_trip_program(cfg, mesh, split):
     """dispatch (bf16) -> per-expert transform -> combine; returns y and the dispatch handle's src_info."""
     def body(x, idx, w):
