@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         else:
             cases = low_latency_contenders(devices, tokens, args.hidden, args.topk, experts, rng,
                                            backend=args.backend, num_sms=args.num_sms, with_ragged=False,
-                                           ll_mode=ll_mode, nvl=args.nvl)
+                                           ll_mode=ll_mode, nvl=args.nvl, max_tokens=args.ll_max_tokens)
         for case in cases:
             if case.kind != "jax_ep" or (only and not any(s in case.name for s in only)):
                 continue
