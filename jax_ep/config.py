@@ -12,8 +12,8 @@ from .errors import EPError
 
 BACKENDS = ("auto", "cuda", "reference")
 LOW_LATENCY_MODES = ("auto", "per_expert", "per_rank")
-# low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows and the config's
-# max_tokens_per_rank is at least PER_RANK_MIN_TOKENS (see EPConfig.low_latency_mode_for).
+# low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows and the call passes
+# at least PER_RANK_MIN_TOKENS tokens (see EPConfig.low_latency_mode_for).
 PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
 PER_RANK_MIN_TOKENS = 128
 
@@ -68,9 +68,9 @@ class EPConfig:
         layout): one copy per (token, expert), weighted sum at the source. "per_rank": one copy per (token,
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
-        only in rounding (docs/SPEC.md). "auto" (default): per_rank when max_tokens_per_rank >= 128 and it moves
-        at most 2/3 of per_expert's rows for uniform routing, else per_expert (low_latency_mode_for; always
-        per_expert on the NVSHMEM kernels, see below). Both modes are timed in docs/BENCHMARKS.md.
+        only in rounding (docs/SPEC.md). "auto" (default): chosen per call, per_rank when the call passes T >= 128
+        tokens and per_rank moves at most 2/3 of per_expert's rows for uniform routing, else per_expert
+        (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below). Both modes are timed in docs/BENCHMARKS.md.
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
         DeepEP's low_latency_mode). None (default) means "when max_tokens_per_rank <= 256" (decode-sized): they
         hold R * T_max rows per local expert, too much for prefill-sized T_max.
@@ -170,24 +170,35 @@ class EPConfig:
             return self.max_tokens_per_rank <= LOW_LATENCY_AUTO_MAX_TOKENS
         return self.low_latency_buffers
 
-    def low_latency_mode_for(self, num_ranks: int) -> str:
-        """'per_expert' or 'per_rank': low_latency_mode, with "auto" resolved from (R, K, max_tokens_per_rank).
+    def low_latency_mode_for(self, num_ranks: int, num_tokens: Optional[int] = None) -> str:
+        """'per_expert' or 'per_rank': low_latency_mode, with "auto" resolved for a call of `num_tokens` tokens per
+        rank on `num_ranks` ranks (None: a call of max_tokens_per_rank tokens).
 
         A token sends K rows in per_expert mode (one per distinct expert) and one row per distinct destination rank
         in per_rank mode: for K experts drawn uniformly from R ranks, R * (1 - (1 - 1/R)^K) on average. per_rank
         has more fixed steps per op (the receiver expands messages, the combine pushes the weights first), so it
-        wins only once there are enough rows: "auto" picks per_rank when max_tokens_per_rank >= PER_RANK_MIN_TOKENS
-        (128) and the rows are at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the rows),
-        R=8, K=8 (0.66); not for K=1 (no saving) or R=2, K=2 (3/4). E does not change the ratio (only L = E / R,
-        the receiver's fan-out). The same on every backend, so both backends compute the same combine.
+        wins only once there are enough rows: "auto" picks per_rank when the call passes T >= PER_RANK_MIN_TOKENS
+        (128) tokens and the rows are at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the
+        rows), R=8, K=8 (0.66); not for K=1 (no saving) or R=2, K=2 (3/4). E does not change the ratio (only
+        L = E / R, the receiver's fan-out). T is a static shape, and a combine has its dispatch's T, so both ops of
+        one layer resolve alike; one config serves 1-token steps in per_expert mode and 128-token steps in per_rank
+        mode. The same on every backend, so both backends compute the same combine.
         """
         if self.low_latency_mode != "auto":
             return self.low_latency_mode
-        if self.low_latency_over_nvshmem(num_ranks) or self.max_tokens_per_rank < PER_RANK_MIN_TOKENS:
+        tokens = self.max_tokens_per_rank if num_tokens is None else num_tokens
+        if self.low_latency_over_nvshmem(num_ranks) or tokens < PER_RANK_MIN_TOKENS:
             return "per_expert"  # the NVSHMEM kernels' one mode; per_rank's fixed steps outweigh its rows
         k = self.num_topk
         per_rank_rows = num_ranks * (1.0 - (1.0 - 1.0 / num_ranks) ** k)
         return "per_rank" if per_rank_rows <= PER_RANK_MAX_ROW_FRACTION * k else "per_expert"
+
+    def for_low_latency_call(self, num_ranks: int, num_tokens: int) -> "EPConfig":
+        """This config with low_latency_mode resolved for one call (itself unless the mode is "auto"): what the
+        backends run."""
+        if self.low_latency_mode != "auto":
+            return self
+        return dataclasses.replace(self, low_latency_mode=self.low_latency_mode_for(num_ranks, num_tokens))
 
     def low_latency_over_nvshmem(self, num_ranks: int) -> bool:
         """Whether low-latency ops of a group of `num_ranks` run the NVSHMEM kernels (docs/INTERNODE.md): when

@@ -69,14 +69,16 @@ class LowLatencyDispatchPending:
     """What `low_latency_dispatch_send` leaves in flight for `low_latency_dispatch_recv`.
 
     buffers: backend-private arrays; state: the chain state after the send (the receive continues from it when it
-    is given no state); use_fp8 and cfg (the send's EPConfig, which the receive must match): static (part of the
-    pytree structure, not arrays).
+    is given no state); use_fp8, cfg (the send's EPConfig, which the receive must match) and mode (the send's
+    low-latency mode, "auto" resolved for its tokens; the receive runs the same): static (part of the pytree
+    structure, not arrays).
     """
 
     buffers: tuple
     state: LowLatencyState
     use_fp8: bool = dataclasses.field(default=True, metadata=dict(static=True))
     cfg: Optional[Any] = dataclasses.field(default=None, metadata=dict(static=True))
+    mode: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -87,3 +89,4 @@ class LowLatencyCombinePending:
     buffers: tuple
     state: LowLatencyState
     cfg: Optional[Any] = dataclasses.field(default=None, metadata=dict(static=True))
+    mode: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))

@@ -14,6 +14,7 @@ is an EPError on every backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Tuple, Union
 
@@ -86,7 +87,7 @@ def _check_low_latency_dispatch(op, x, topk_idx, cfg, use_fp8):
         raise EPError(f"jax_ep.{op}: use_fp8 must be a Python bool (static), got {type(use_fp8).__name__}")
     if use_fp8:
         check_fp8_hidden(op, cfg)
-    return num_ranks
+    return num_ranks, cfg.for_low_latency_call(num_ranks, x.shape[0])
 
 
 def _result(result, state_out, state_given):
@@ -104,27 +105,30 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, cfg: EPConfig, use_f
     recv_count are unspecified. Differentiable for bf16 (use_fp8=False). Raises EPError naming the argument.
     """
     op = "low_latency_dispatch"
-    num_ranks = _check_low_latency_dispatch(op, x, topk_idx, cfg, use_fp8)
+    num_ranks, run_cfg = _check_low_latency_dispatch(op, x, topk_idx, cfg, use_fp8)
     st = _state_in(op, state)
     if use_fp8:
         backend = backend_for(cfg, op, low_latency=True)
         out, st_out = _not_differentiable(
             op + "(use_fp8=True)",
-            lambda x_, i_, s_: _pair(backend.low_latency_dispatch(x_, i_, LowLatencyState(s_), cfg, num_ranks, True)),
+            lambda x_, i_, s_: _pair(backend.low_latency_dispatch(x_, i_, LowLatencyState(s_), run_cfg, num_ranks,
+                                                                  True)),
             x, topk_idx, st.value)
     else:
-        out, st_out = _low_latency_dispatch_vjp(cfg, num_ranks)(x, topk_idx, st.value)
+        out, st_out = _low_latency_dispatch_vjp(cfg, run_cfg, num_ranks)(x, topk_idx, st.value)
     return _result(out, LowLatencyState(st_out), state)
 
 
+# cfg: the user's config (the runtime knows it); run_cfg: cfg with its low-latency mode resolved for the call
+# (EPConfig.for_low_latency_call), what the backend runs.
 @functools.lru_cache(maxsize=None)
-def _low_latency_dispatch_vjp(cfg: EPConfig, num_ranks: int):
+def _low_latency_dispatch_vjp(cfg: EPConfig, run_cfg: EPConfig, num_ranks: int):
     op = "low_latency_dispatch"
 
     @jax.custom_vjp
     def fn(x, topk_idx, state_value):
         out, st = backend_for(cfg, op, low_latency=True).low_latency_dispatch(x, topk_idx, LowLatencyState(state_value),
-                                                                     cfg, num_ranks, False)
+                                                                     run_cfg, num_ranks, False)
         return out, st.value
 
     def fwd(x, topk_idx, state_value):
@@ -134,8 +138,8 @@ def _low_latency_dispatch_vjp(cfg: EPConfig, num_ranks: int):
     def bwd(res, cot):
         topk_idx, handle = res
         cot_out, _ = cot
-        dx = backend_for(cfg, op, low_latency=True).low_latency_dispatch_transpose(cot_out.recv_x, topk_idx, handle, cfg,
-                                                                          num_ranks)
+        dx = backend_for(cfg, op, low_latency=True).low_latency_dispatch_transpose(cot_out.recv_x, topk_idx, handle,
+                                                                                   run_cfg, num_ranks)
         return dx.astype(BF16), None, None
 
     fn.defvjp(fwd, bwd)
@@ -148,14 +152,16 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, cfg: EPConfig, 
     (pending, next_state) when `state` is given); finish with low_latency_dispatch_recv. At most two sends may wait
     for their receives. Not differentiable."""
     op = "low_latency_dispatch_send"
-    num_ranks = _check_low_latency_dispatch(op, x, topk_idx, cfg, use_fp8)
+    num_ranks, run_cfg = _check_low_latency_dispatch(op, x, topk_idx, cfg, use_fp8)
     st = _state_in(op, state)
     backend = backend_for(cfg, op, low_latency=True)
     buffers, st_out = _not_differentiable(
-        op, lambda x_, i_, s_: _pair(backend.low_latency_dispatch_send(x_, i_, LowLatencyState(s_), cfg, num_ranks, use_fp8)),
+        op, lambda x_, i_, s_: _pair(backend.low_latency_dispatch_send(x_, i_, LowLatencyState(s_), run_cfg, num_ranks,
+                                                                       use_fp8)),
         x, topk_idx, st.value)
     st_out = LowLatencyState(st_out)
-    pending = LowLatencyDispatchPending(buffers=tuple(buffers), state=st_out, use_fp8=use_fp8, cfg=cfg)
+    pending = LowLatencyDispatchPending(buffers=tuple(buffers), state=st_out, use_fp8=use_fp8, cfg=cfg,
+                                        mode=run_cfg.low_latency_mode)
     return _result(pending, st_out, state)
 
 
@@ -173,7 +179,8 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending, cfg: EPConfig,
     op = "low_latency_dispatch_recv"
     num_ranks, st, backend = _recv_setup(op, pending, LowLatencyDispatchPending, "low_latency_dispatch_send", cfg,
                                          state)
-    out, st_out = backend.low_latency_dispatch_recv(pending.buffers, st, cfg, num_ranks, pending.use_fp8)
+    out, st_out = backend.low_latency_dispatch_recv(pending.buffers, st, _pending_run_cfg(pending, cfg), num_ranks,
+                                                    pending.use_fp8)
     return _result(out, st_out, state)
 
 
@@ -188,6 +195,13 @@ def _recv_setup(op, pending, kind, producer, cfg, state):
     return num_ranks, st, backend_for(cfg, op, low_latency=True)
 
 
+def _pending_run_cfg(pending, cfg: EPConfig) -> EPConfig:
+    """The config the send ran (its mode resolved for the send's tokens), for the receive to run alike."""
+    if cfg.low_latency_mode != "auto" or pending.mode is None:
+        return cfg
+    return dataclasses.replace(cfg, low_latency_mode=pending.mode)
+
+
 def _check_pending(op, pending, kind, producer):
     if not isinstance(pending, kind):
         raise EPError(f"jax_ep.{op}: pending must be the {kind.__name__} returned by {producer}, got "
@@ -200,18 +214,20 @@ def _check_pending(op, pending, kind, producer):
 
 # ---- combine ------------------------------------------------------------------------------------------------------
 def _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, cfg):
+    """-> (R, the config the backend runs: cfg with its mode resolved for the call's T, as the dispatch's was)."""
     check_config(op, cfg)
     num_ranks = group_size(cfg, op)
     check_kernel_limits(op, cfg, num_ranks, low_latency=True)
-    check_low_latency_handle(op, handle, cfg, num_ranks)  # first: a config mismatch is named as such
-    num_local, rows = cfg.num_local_experts(num_ranks), cfg.low_latency_rows(num_ranks)
-    check_array(op, "expert_out", expert_out, (num_local, rows, cfg.hidden), (BF16,))
     num_tokens = topk_idx.shape[0] if getattr(topk_idx, "ndim", 0) >= 1 else 0
     check_tokens(op, "topk_idx", num_tokens, cfg)
+    run_cfg = cfg.for_low_latency_call(num_ranks, num_tokens)
+    check_low_latency_handle(op, handle, run_cfg, num_ranks)  # first: a config mismatch is named as such
+    num_local, rows = cfg.num_local_experts(num_ranks), cfg.low_latency_rows(num_ranks)
+    check_array(op, "expert_out", expert_out, (num_local, rows, cfg.hidden), (BF16,))
     if topk_weights is None:
         raise EPError(f"jax_ep.{op}: topk_weights [T, K] f32 is required (the combine is weighted)")
     check_routing(op, topk_idx, topk_weights, num_tokens, cfg)
-    return num_ranks
+    return num_ranks, run_cfg
 
 
 def low_latency_combine(expert_out: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
@@ -224,20 +240,21 @@ def low_latency_combine(expert_out: jax.Array, topk_idx: jax.Array, topk_weights
     `state` is given. Differentiable in expert_out and topk_weights.
     """
     op = "low_latency_combine"
-    num_ranks = _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, cfg)
+    num_ranks, run_cfg = _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, cfg)
     st = _state_in(op, state)
-    y, st_out = _low_latency_combine_vjp(cfg, num_ranks)(expert_out, topk_weights, topk_idx, handle, st.value)
+    y, st_out = _low_latency_combine_vjp(cfg, run_cfg, num_ranks)(expert_out, topk_weights, topk_idx, handle,
+                                                                  st.value)
     return _result(y, LowLatencyState(st_out), state)
 
 
 @functools.lru_cache(maxsize=None)
-def _low_latency_combine_vjp(cfg: EPConfig, num_ranks: int):
+def _low_latency_combine_vjp(cfg: EPConfig, run_cfg: EPConfig, num_ranks: int):
     op = "low_latency_combine"
 
     @jax.custom_vjp
     def fn(expert_out, topk_weights, topk_idx, handle, state_value):
         y, st = backend_for(cfg, op, low_latency=True).low_latency_combine(expert_out, topk_idx, topk_weights, handle,
-                                                                  LowLatencyState(state_value), cfg, num_ranks)
+                                                                  LowLatencyState(state_value), run_cfg, num_ranks)
         return y, st.value
 
     def fwd(expert_out, topk_weights, topk_idx, handle, state_value):
@@ -248,7 +265,7 @@ def _low_latency_combine_vjp(cfg: EPConfig, num_ranks: int):
         expert_out, topk_weights, topk_idx, handle = res
         dy, _ = cot
         d_out, d_w = backend_for(cfg, op, low_latency=True).low_latency_combine_transpose(
-            dy, expert_out, topk_idx, topk_weights, handle, cfg, num_ranks)
+            dy, expert_out, topk_idx, topk_weights, handle, run_cfg, num_ranks)
         return d_out, d_w.astype(F32), None, None, None
 
     fn.defvjp(fwd, bwd)
@@ -261,15 +278,16 @@ def low_latency_combine_send(expert_out: jax.Array, topk_idx: jax.Array, topk_we
     """First half of low_latency_combine: sends expert rows back; returns LowLatencyCombinePending (or (pending,
     next_state)); finish with low_latency_combine_recv. Not differentiable."""
     op = "low_latency_combine_send"
-    num_ranks = _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, cfg)
+    num_ranks, run_cfg = _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, cfg)
     st = _state_in(op, state)
     backend = backend_for(cfg, op, low_latency=True)
     buffers, st_out = _not_differentiable(
-        op, lambda e_, i_, w_, h_, s_: _pair(backend.low_latency_combine_send(e_, i_, w_, h_, LowLatencyState(s_), cfg,
-                                                                     num_ranks)),
+        op, lambda e_, i_, w_, h_, s_: _pair(backend.low_latency_combine_send(e_, i_, w_, h_, LowLatencyState(s_),
+                                                                              run_cfg, num_ranks)),
         expert_out, topk_idx, topk_weights, handle, st.value)
     st_out = LowLatencyState(st_out)
-    return _result(LowLatencyCombinePending(buffers=tuple(buffers), state=st_out, cfg=cfg), st_out, state)
+    pending = LowLatencyCombinePending(buffers=tuple(buffers), state=st_out, cfg=cfg, mode=run_cfg.low_latency_mode)
+    return _result(pending, st_out, state)
 
 
 def low_latency_combine_recv(pending: LowLatencyCombinePending, cfg: EPConfig, *,
@@ -279,5 +297,5 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending, cfg: EPConfig, *
     op = "low_latency_combine_recv"
     num_ranks, st, backend = _recv_setup(op, pending, LowLatencyCombinePending, "low_latency_combine_send", cfg,
                                          state)
-    y, st_out = backend.low_latency_combine_recv(pending.buffers, st, cfg, num_ranks)
+    y, st_out = backend.low_latency_combine_recv(pending.buffers, st, _pending_run_cfg(pending, cfg), num_ranks)
     return _result(y, st_out, state)

@@ -19,6 +19,7 @@ kernels are per_expert only); tests/gpu/test_low_latency_nvshmem.py runs this fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -213,6 +214,28 @@ def test_combine_matches_reference(ranks, tokens, split, mode):
     if mode == "per_rank":
         y_pe, _ = _round_trip_program(cfgs["cuda_per_expert"], mesh, False)(x, idx, w)
         assert _rel(y_c, y_pe) <= 2 ** -6, f"vs CUDA per_expert: {_rel(y_c, y_pe):.2e}"
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("tokens", [1, 128])
+def test_auto_mode_runs_the_fixed_mode_of_the_calls_tokens(tokens, split):
+    """The default "auto" resolves per call: with T_max=128 and K=8, a 1-token call runs per_expert and a 128-token
+    call per_rank, bit-identical (src_info and y) to a config fixed to that mode, fused and split."""
+    R = upto(4)
+    require(R)
+    if OVER_NVSHMEM:
+        pytest.skip("the NVSHMEM kernels are per_expert only: auto has nothing to choose")
+    mesh = Mesh(np.array(jax.devices("gpu")[:R]), ("ep",))
+    auto = jax_ep.EPConfig(E, H, K, T_MAX, backend="cuda", timeout_seconds=10.0)
+    mode = "per_rank" if tokens >= 128 else "per_expert"
+    assert auto.low_latency_mode == "auto" and auto.low_latency_mode_for(R, tokens) == mode
+    fixed = dataclasses.replace(auto, low_latency_mode=mode)
+    jax_ep.initialize(mesh, auto, fixed, warmup_ops=False)
+    x, idx, w = _inputs(np.random.default_rng(11 + tokens), "per_rank", R, tokens)
+    y_a, src_a = _round_trip_program(auto, mesh, split)(x, idx, w)
+    y_f, src_f = _round_trip_program(fixed, mesh, split)(x, idx, w)
+    np.testing.assert_array_equal(np.asarray(src_a), np.asarray(src_f))
+    np.testing.assert_array_equal(np.asarray(y_a).view(np.uint16), np.asarray(y_f).view(np.uint16))
 
 
 def test_consecutive_calls_without_combine_between():
