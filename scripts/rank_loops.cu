@@ -2,14 +2,15 @@
 // (docs/INTERNODE_SCALING.md, "What grows with R per op"). GPU 0 plays rank 0 of a group of R ranks; the R-1 other
 // "ranks" are slices of one buffer on GPU 1 (stores and atomics cross NVLink as to real peers; with one GPU, slices of
 // its own memory). Every flag a loop waits for is set before the kernel starts, so what is timed is the loop itself,
-// with the kernels' own device functions (transport/peer.cuh, kernels/low_latency_device.cuh). Each case runs ITERS
+// with the kernels' own device functions (transport/peer.cuh, common/source_of_row.cuh). Each case runs ITERS
 // times inside one launch (global timer), printed as us per op:
 //   barrier          group_barrier_block in one block of 256 threads: R release arrivals into the ranks, R flags read
 //   arrive           group_arrive_block without release (what a dispatch's notify posts)
 //   data wait        wait_data_kernel's loop: one warp, R flags
 //   count publish    notify's exchange: this rank's R counts into every rank (R x R int stores), then R signals
 //   count read       the R x R counts read back (ld.cg) and summed per source, one block of 256
-//   source lookup    source_of_row over R prefix offsets for 4096 rows, one block of 256 (copy-out, LL receive)
+//   source lookup    source_of_row (binary search) over R prefix offsets for 4096 rows, one block of 256 (copy-out,
+//                    LL receive)
 //   scripts/gpu.sh rank-loops   (or: nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icuda -Icuda/include \
 //                               -o /tmp/rank_loops scripts/rank_loops.cu && /tmp/rank_loops)
 #include <cuda_runtime.h>
@@ -18,11 +19,11 @@
 #include <cstdio>
 #include <cstring>
 
-#include "kernels/low_latency_device.cuh"  // source_of_row
+#include "common/source_of_row.cuh"
 #include "transport/peer.cuh"              // group_barrier_block, group_arrive_block, wait_peer, signal_peer
 
 using namespace jax_ep;
-using jax_ep::low_latency::source_of_row;
+using jax_ep::source_of_row;
 
 constexpr int kIters = 200;
 constexpr int kRows = 4096;

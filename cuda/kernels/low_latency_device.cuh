@@ -13,6 +13,7 @@
 #include "common/copy.cuh"
 #include "common/last_block.cuh"
 #include "common/ptx.cuh"
+#include "common/source_of_row.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
 #include "jax_ep/low_latency_params.h"
@@ -129,14 +130,6 @@ __device__ __forceinline__ void quantize_segment(char* msg_payload, const __nv_b
 __device__ __forceinline__ void source_offsets(int32_t* off, const int32_t* layout_range_row, int R, int Tm) {
   off[0] = 0;
   for (int s = 0; s < R; ++s) off[s + 1] = off[s] + min(max(__ldg(layout_range_row + s), 0), Tm);
-}
-
-// Source rank of packed row i of an expert, from the exclusive prefix offsets off[0..R] (reads off[1..R-1]; a linear
-// scan: O(R) per row).
-__device__ __forceinline__ int source_of_row(const int32_t* off, int R, int i) {
-  int s = 0;
-  while (s + 1 < R && i >= off[s + 1]) ++s;
-  return s;
 }
 
 // The distinct destinations of token t and its position at each: destination of slot k = expert e_k / div (div 1:

@@ -20,6 +20,7 @@
 #include "common/phase_stamps.cuh"
 #include "common/preload.cuh"
 #include "common/ptx.cuh"
+#include "common/source_of_row.cuh"
 #include "common/layout.cuh"
 #include "common/thread.cuh"
 #include "jax_ep/api.h"
@@ -201,10 +202,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
 
   for (int row = (a.direct ? valid_rows : 0) + global_warp(); row < a.capacity; row += num_global_warps()) {
     const bool valid = row < valid_rows;
-    int32_t s = -1;  // the row's source rank
-    if (valid)
-      for (s = 0; s + 1 < R && row >= s_prefix[s + 1]; ++s) {
-      }
+    const int32_t s = valid ? source_of_row(s_prefix, R, row) : -1;  // the row's source rank
     // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
     const bool meta = valid && g.remote.test(s);
     const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
