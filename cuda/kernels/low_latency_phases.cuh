@@ -11,6 +11,8 @@ namespace jax_ep::low_latency {
 enum LowLatencyNvlinkPhase : int {
   kPhaseSendOpened = 0,  // send, each block: the chain state read and the op decided (block barrier)
   kPhaseSendConsumed,    // send, each block: thread 0's wait for peer 0 to have consumed op n-2 done
+  kPhaseSendSlots,       // dispatch send, each token: its destinations and positions found, its counts raised
+  kPhaseSendQuantized,   // dispatch send, each fp8 token: its row quantized into shared memory (block barrier)
   kPhaseSendBody,        // send, each block: its rows stored (block barrier)
   kPhaseSendLast,        // send, last block: every block counted itself
   kPhaseSendPublished,   // send, last block: every count and flag stored (block barrier)
@@ -31,6 +33,8 @@ static PhaseDevices& ll_phase_devices() {
 
 inline const char* const* low_latency_phase_names() {
   static const char* const names[] = {"LL send: opened",         "LL send: peer 0 consumed op n-2",
+                                      "LL dispatch send: token's slots found and counted",
+                                      "LL dispatch send: token's row quantized",
                                       "LL send: rows stored",    "LL send: last block reached",
                                       "LL send: counts and flags published", "LL recv: opened",
                                       "LL recv: body done",      "LL recv: last block reached",

@@ -60,11 +60,13 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
       token_slots(p.topk_idx, t, K, E, 1, s_dest, s_pos, s_part);
       if (threadIdx.x < K && s_dest[threadIdx.x] >= 0) atomicAdd(counts + s_dest[threadIdx.x], 1u);
     }
+    phase_stamp(g_ll_phases, kPhaseSendSlots);  // token_slots ends with a block barrier
     const __nv_bfloat16* row = reinterpret_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(t) * H;
     if (p.use_fp8) {  // quantize once into shared memory: [H fp8 | S f32], the message payload as it goes out
       for (int seg = warp; seg < nseg_in; seg += nw)
         quantize_segment(s_row, row, H, seg * kSegChannels, min(H, (seg + 1) * kSegChannels), s_scales[warp]);
       __syncthreads();
+      phase_stamp(g_ll_phases, kPhaseSendQuantized);
     }
     for (int item = warp; item < K * nseg_out; item += nw) {
       const int k = item / nseg_out, seg = item % nseg_out;
