@@ -245,15 +245,17 @@ ab_wheel() {  # TAG DIR: DIR built as a wheel, installed into SCRATCH/site_TAG (
 }
 step_chain_ab() {
   local tag rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
+  local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine")
+  # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'
+  [ -z "${CHAIN_ARGS:-}" ] || eval "chain_args=($CHAIN_ARGS)"
   [[ $old == /* ]] || old=$ROOT/$old
   run "wheel old" 300 ab_wheel old "$old" && run "wheel new" 300 ab_wheel new "$ROOT" || return
   run "uninstall editable" 60 "$PY" -m pip uninstall -y -q jax_ep  # it would shadow PYTHONPATH
   for rep in $(seq 1 "${REPS:-2}"); do
     for tag in new old; do
       PREFIX="$tag $rep: "
-      # shellcheck disable=SC2086  # CHAIN_ARGS is a list of arguments
       run "chain_gaps $tag $rep" 150 env -C "$SCRATCH" PYTHONPATH="$SCRATCH/site_$tag" JAX_EP_TEST_PHASES=1 "$PY" -m \
-        jax_ep.bench.chain_gaps ${CHAIN_ARGS:---ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine"}
+        jax_ep.bench.chain_gaps "${chain_args[@]}"
     done
   done
   PREFIX=; run "restore editable" 300 "$PY" -m pip install --no-build-isolation --no-deps -e .

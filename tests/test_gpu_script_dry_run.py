@@ -55,3 +55,16 @@ def test_unknown_step_is_refused():
     proc = _gpu_sh("no-such-step")
     assert proc.returncode == 2
     assert "unknown step 'no-such-step'" in proc.stderr
+
+
+def test_chain_ab_reads_chain_args_as_shell_words():
+    """CHAIN_ARGS keeps a quoted --only value (contender names have spaces) as one argument."""
+    env = dict(os.environ, DRY_RUN="1", REPS="1",
+               CHAIN_ARGS="--ll-tokens 1 --ll-mode per_expert,per_rank --only 'jax_ep LL dispatch fp8,jax_ep LL combine'")
+    proc = subprocess.run(["bash", str(SCRIPT), "chain-ab"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "chain_gaps new 1" in line]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    assert lines[0].endswith("jax_ep.bench.chain_gaps --ll-tokens 1 --ll-mode per_expert,per_rank --only "
+                             "'jax_ep LL dispatch fp8,jax_ep LL combine'"), lines[0]
