@@ -246,7 +246,8 @@ ab_wheel() {  # TAG DIR: DIR built as a wheel, installed into SCRATCH/site_TAG (
 step_chain_ab() {
   local tag rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
   local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine")
-  # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'
+  # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'.
+  # It is evaluated: $(...) or ; inside it would run (it is the caller's own environment)
   [ -z "${CHAIN_ARGS:-}" ] || eval "chain_args=($CHAIN_ARGS)"
   [[ $old == /* ]] || old=$ROOT/$old
   run "wheel old" 300 ab_wheel old "$old" && run "wheel new" 300 ab_wheel new "$ROOT" || return

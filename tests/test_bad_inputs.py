@@ -311,6 +311,9 @@ def test_malformed_pending_is_an_error():
         (lambda p: jax_ep.LowLatencyDispatchPending(buffers=(), state=p.state, cfg=p.cfg), "pending is malformed"),
         (lambda p: jax_ep.LowLatencyDispatchPending(buffers=(None,), state=p.state), "pending is malformed"),
         (lambda p: jax_ep.LowLatencyDispatchPending(buffers=p.buffers, state=p.state.value), "pending is malformed"),
+        # without the mode its send resolved, an "auto" receive could run the other mode's kernels
+        (lambda p: jax_ep.LowLatencyDispatchPending(buffers=p.buffers, state=p.state, use_fp8=False, cfg=p.cfg),
+         "pending is malformed"),
         (lambda p: p.buffers, "pending must be the LowLatencyDispatchPending"),
     ]
     for make, message in cases:

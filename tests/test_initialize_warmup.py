@@ -15,9 +15,10 @@ from jax_ep.ops import initialize as initialize_module
 from helpers import ep_mesh
 
 
-def _experts(cfg: jax_ep.EPConfig, num_ranks: int, rank: int) -> np.ndarray:
-    """The routing of the warm-up program, rebuilt from its docstring's formula: [T, K] global expert ids."""
-    T, K, E = cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts
+def _experts(cfg: jax_ep.EPConfig, num_ranks: int, rank: int, tokens=None) -> np.ndarray:
+    """The routing of the warm-up program, rebuilt from its docstring's formula: [T, K] global expert ids (T =
+    tokens, default T_max)."""
+    T, K, E = tokens or cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts
     L = E // num_ranks
     j = (np.arange(T)[:, None] * K + np.arange(K)[None, :] + rank) % E
     return (j % num_ranks) * L + (j // num_ranks) % L
@@ -27,7 +28,7 @@ def _expected(cfg: jax_ep.EPConfig, num_ranks: int, part: str) -> np.ndarray:
     """Per rank of a group, what the part's program returns. Tokens are all ones, so the normal combine's y[0, 0]
     counts the distinct ranks of token 0; the LL combine gets zero expert outputs, so only recv_count[0] is left."""
     L = cfg.num_experts // num_ranks
-    experts = [_experts(cfg, num_ranks, r) for r in range(num_ranks)]
+    experts = [_experts(cfg, num_ranks, r, initialize_module.PART_TOKENS[part]) for r in range(num_ranks)]
     out = []
     for r in range(num_ranks):
         if part == "normal":
@@ -40,7 +41,7 @@ def _expected(cfg: jax_ep.EPConfig, num_ranks: int, part: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dp,ep,part", [(1, 8, "normal"), (1, 8, "low_latency"), (2, 4, "normal"),
-                                        (2, 4, "low_latency")])
+                                        (2, 4, "low_latency"), (1, 8, "low_latency_one_token")])
 def test_warm_up_program_runs_its_ops(dp, ep, part):
     mesh = ep_mesh(ep, dp)
     cfg = jax_ep.EPConfig(num_experts=16, hidden=128, num_topk=4, max_tokens_per_rank=6, backend="reference")
@@ -149,3 +150,21 @@ def test_parts_leave_out_kernels_that_need_pointers_to_unmapped_ranks(unmapped, 
                         groups={"ep": [jax_ep.runtime.GroupInfo("ep", (0, 1))]}, buffer_bytes=0, timings={},
                         configs=(cfg,), mesh_shape={"ep": 2}, transport_state=_Transport(unmapped))
     assert initialize_module._parts(rt, cfg) == want
+
+
+def test_auto_config_warms_the_one_token_mode_too():
+    """An "auto" config whose T_max calls run per_rank (T_max >= 128, K=8 on 2 ranks) and whose 1-token calls run
+    per_expert gets a third warm-up part at T=1; a fixed mode, or T_max below 128, does not."""
+    def parts(**kw):
+        cfg = jax_ep.EPConfig(num_experts=16, hidden=128, num_topk=8, backend="reference", low_latency_buffers=True,
+                              **kw)
+        rt = jax_ep.Runtime(process_model="single-process", transport="nvlink", backends={cfg: "cuda"},
+                            groups={"ep": [jax_ep.runtime.GroupInfo("ep", (0, 1))]}, buffer_bytes=0, timings={},
+                            configs=(cfg,), mesh_shape={"ep": 2}, transport_state=_Transport({}))
+        return initialize_module._parts(rt, cfg)
+
+    auto = jax_ep.EPConfig(16, 128, 8, 128)
+    assert auto.low_latency_mode_for(2, 1) == "per_expert" and auto.low_latency_mode_for(2, 128) == "per_rank"
+    assert parts(max_tokens_per_rank=128) == ["normal", "low_latency", "low_latency_one_token"]
+    assert parts(max_tokens_per_rank=64) == ["normal", "low_latency"]
+    assert parts(max_tokens_per_rank=128, low_latency_mode="per_rank") == ["normal", "low_latency"]

@@ -88,3 +88,23 @@ def test_split_receive_runs_the_mode_its_send_resolved():
         assert seen == {1: "per_expert", T_MAX: "per_rank"}
     finally:
         jax_ep.finalize()
+
+
+def test_combine_runs_the_mode_of_its_handle():
+    """A combine of an "auto" config runs the mode of the dispatch that made its handle, whatever T its routing has:
+    a 128-token dispatch (per_rank handle) combined with the routing of its first 100 tokens gives exactly the
+    per_rank config's combine of the same, not a per_expert one."""
+    per_rank = dataclasses.replace(AUTO, low_latency_mode="per_rank")
+    jax_ep.initialize(ep_mesh(R), AUTO, per_rank)
+    try:
+        def body(cfg):
+            def f(x, idx, w):
+                out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+                return jax_ep.low_latency_combine(out.recv_x, idx[:100], w[:100], out.handle, cfg)
+            return f
+
+        args = _inputs(T_MAX, seed=5)
+        np.testing.assert_array_equal(np.asarray(_run(body(AUTO), args), np.float32),
+                                      np.asarray(_run(body(per_rank), args), np.float32))
+    finally:
+        jax_ep.finalize()

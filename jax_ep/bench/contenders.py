@@ -78,9 +78,12 @@ def bench_config(tokens, hidden, topk, experts, backend, num_sms, ll_mode="per_e
     """The config of one sweep (the same object everywhere: __main__ initializes all of them up front). ll_mode
     "nvshmem": per_expert rows moved by NVSHMEM puts (allow_nvlink_for_low_latency=False). nvl: num_max_nvl_peers
     (below R, the LL ops run the NVSHMEM kernels with puts between the simulated nodes). max_tokens: T_max
-    (max_tokens_per_rank) when the calls pass fewer tokens than the config holds; default `tokens`."""
+    (max_tokens_per_rank) when the calls pass fewer tokens than the config holds; default `tokens`. A config given
+    max_tokens always has low-latency buffers (above 256 tokens "None" would leave them out and time the reference
+    backend)."""
     over_nvshmem = ll_mode == "nvshmem"
-    return jax_ep.EPConfig(experts, hidden, topk, max_tokens or tokens, axis_name=AXIS, backend=backend, num_sms=num_sms,
+    return jax_ep.EPConfig(experts, hidden, topk, max_tokens or tokens, axis_name=AXIS,
+                           low_latency_buffers=True if max_tokens else None, backend=backend, num_sms=num_sms,
                            low_latency_mode="per_expert" if over_nvshmem else ll_mode,
                            allow_nvlink_for_low_latency=not over_nvshmem, num_max_nvl_peers=nvl)
 

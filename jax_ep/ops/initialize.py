@@ -35,11 +35,11 @@ from ..errors import EPError
 log = logging.getLogger("jax_ep")
 
 
-def _routing(cfg: EPConfig, num_ranks: int, rank):
-    """[T, K] int32, K distinct experts per token: with j = (t*K + k + rank) mod E (K consecutive values, distinct
+def _routing(cfg: EPConfig, num_ranks: int, rank, num_tokens=None):
+    """[T, K] int32 (T = num_tokens, default max_tokens_per_rank), K distinct experts per token: with j = (t*K + k + rank) mod E (K consecutive values, distinct
     since K <= E), expert (j mod R) * L + (j div R) mod L, a bijection of [0, E) that puts consecutive j on
     consecutive ranks, so a token reaches min(K, R) ranks and every rank sends to every other even at T=1."""
-    T, K, E = cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts
+    T, K, E = num_tokens or cfg.max_tokens_per_rank, cfg.num_topk, cfg.num_experts
     L = E // num_ranks
     t = jax.lax.broadcasted_iota(jnp.int32, (T, K), 0)
     k = jax.lax.broadcasted_iota(jnp.int32, (T, K), 1)
@@ -47,16 +47,22 @@ def _routing(cfg: EPConfig, num_ranks: int, rank):
     return (j % num_ranks) * L + (j // num_ranks) % L
 
 
+# The parts of a config's warm-up: "normal" (dispatch + combine at T_max), "low_latency" (the fused LL dispatch +
+# combine at T_max) and "low_latency_one_token" (the same at T=1, for an "auto" config whose 1-token calls run the
+# other low-latency mode).
+PART_TOKENS = {"normal": None, "low_latency": None, "low_latency_one_token": 1}
+
+
 def _body(cfg: EPConfig, num_ranks: int, part: str):
-    """The per-shard program of one part ("normal": dispatch + combine; "low_latency": the fused LL dispatch + combine):
-    returns a [1] f32 that depends on every op's output (nothing is dead code)."""
+    """The per-shard program of one part (PART_TOKENS): returns a [1] f32 that depends on every op's output (nothing
+    is dead code)."""
     from . import low_latency, normal
 
     def body():
         rank = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
-        T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
+        T, H, K = PART_TOKENS[part] or cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk
         x = jnp.ones((T, H), jnp.bfloat16)
-        idx = _routing(cfg, num_ranks, rank)
+        idx = _routing(cfg, num_ranks, rank, T)
         w = jnp.full((T, K), 1.0 / K, jnp.float32)
         if part == "normal":
             out = normal.dispatch(x, idx, w, cfg)
@@ -90,6 +96,8 @@ def _parts(rt: runtime.Runtime, cfg: EPConfig) -> list[str]:
     parts = ["normal"] if not unmapped or cfg.normal_over_nvshmem(R) else []
     if cfg.uses_low_latency_buffers() and (not unmapped or cfg.low_latency_over_nvshmem(R)):
         parts.append("low_latency")
+        if cfg.low_latency_mode_for(R, 1) != cfg.low_latency_mode_for(R, cfg.max_tokens_per_rank):
+            parts.append("low_latency_one_token")  # "auto": 1-token calls run the other mode's kernels
     return parts
 
 
@@ -133,7 +141,8 @@ def initialize(mesh: jax.sharding.Mesh, *configs: EPConfig, warmup_ops: bool = T
     the mesh axes for the kernels and runs one warm-up exchange (runtime.setup). Then, with warmup_ops=True
     (the default), one execution per config new to the runtime of a program with a normal-mode dispatch + combine
     at the config's largest shapes, and of one with a low-latency dispatch + combine when the config has
-    low-latency buffers: every kernel those ops use runs once, and XLA's allocator grows to their outputs before
+    low-latency buffers (and one at T=1 when "auto" runs 1-token calls in the other mode): every kernel those ops use
+    runs once, and XLA's allocator grows to their outputs before
     the first real call (`Runtime.timings["warmup_ops"]`). warmup_ops=False skips it (a faster initialize; the first
     call pays it); every process must pass the same value. Configs on the reference backend have nothing to warm.
     What is left for the first execution of the user's own program (loading its module, recording its CUDA graph)

@@ -197,7 +197,7 @@ def _recv_setup(op, pending, kind, producer, cfg, state):
 
 def _pending_run_cfg(pending, cfg: EPConfig) -> EPConfig:
     """The config the send ran (its mode resolved for the send's tokens), for the receive to run alike."""
-    if cfg.low_latency_mode != "auto" or pending.mode is None:
+    if cfg.low_latency_mode != "auto":
         return cfg
     return dataclasses.replace(cfg, low_latency_mode=pending.mode)
 
@@ -207,7 +207,8 @@ def _check_pending(op, pending, kind, producer):
         raise EPError(f"jax_ep.{op}: pending must be the {kind.__name__} returned by {producer}, got "
                       f"{type(pending).__name__}")
     if not isinstance(pending.buffers, tuple) or not pending.buffers or not all(
-            hasattr(b, "shape") for b in pending.buffers) or not isinstance(pending.state, LowLatencyState):
+            hasattr(b, "shape") for b in pending.buffers) or not isinstance(pending.state, LowLatencyState) or (
+            pending.mode not in ("per_expert", "per_rank")):
         raise EPError(f"jax_ep.{op}: pending is malformed (its buffers must be the arrays {producer} returned, "
                       f"unchanged)")
 
@@ -220,7 +221,7 @@ def _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, c
     check_kernel_limits(op, cfg, num_ranks, low_latency=True)
     num_tokens = topk_idx.shape[0] if getattr(topk_idx, "ndim", 0) >= 1 else 0
     check_tokens(op, "topk_idx", num_tokens, cfg)
-    run_cfg = cfg.for_low_latency_call(num_ranks, num_tokens)
+    run_cfg = _combine_run_cfg(cfg, num_ranks, handle)
     check_low_latency_handle(op, handle, run_cfg, num_ranks)  # first: a config mismatch is named as such
     num_local, rows = cfg.num_local_experts(num_ranks), cfg.low_latency_rows(num_ranks)
     check_array(op, "expert_out", expert_out, (num_local, rows, cfg.hidden), (BF16,))
@@ -228,6 +229,15 @@ def _check_low_latency_combine(op, expert_out, topk_idx, topk_weights, handle, c
         raise EPError(f"jax_ep.{op}: topk_weights [T, K] f32 is required (the combine is weighted)")
     check_routing(op, topk_idx, topk_weights, num_tokens, cfg)
     return num_ranks, run_cfg
+
+
+def _combine_run_cfg(cfg: EPConfig, num_ranks: int, handle) -> EPConfig:
+    """The config a combine runs: with "auto", the mode of the dispatch that made `handle` (per_rank handles carry
+    msg_token), so the pair agrees whatever T each was given; the NVSHMEM kernels are per_expert only."""
+    if cfg.low_latency_mode != "auto":
+        return cfg
+    per_rank = getattr(handle, "msg_token", None) is not None and not cfg.low_latency_over_nvshmem(num_ranks)
+    return dataclasses.replace(cfg, low_latency_mode="per_rank" if per_rank else "per_expert")
 
 
 def low_latency_combine(expert_out: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,

@@ -168,15 +168,17 @@ def _check_dispatch(mode, ranks, tokens, use_fp8, hidden, split):
 
 def test_fp8_row_beyond_shared_memory_is_an_error_naming_hidden():
     """per_rank's dispatch send holds ~2.9 KB of static shared memory beside one quantized row (H + H/32 bytes) in
-    the 48 KB a block gets without an opt-in: H=45056 fits the row alone (46464 bytes) but not both. The op fails
+    the 48 KB a block gets without an opt-in: H=45568 fits the row alone (46992 bytes) but not both. The op fails
     with a message naming hidden and the shared memory, not a bare launch failure; per_expert (~1.7 KB of its own)
-    still fits and matches the reference at that H."""
-    hidden = 45056
+    still fits and matches the reference at that H. (The row size sits 700 bytes inside both bounds.)"""
+    hidden = 45568
     _, mesh, cfgs = _setup("per_rank", 1, hidden)
-    x, idx, _ = _inputs(np.random.default_rng(7), "per_rank", 1, 2, hidden)
-    with pytest.raises(Exception, match=r"hidden=45056 needs 46464 bytes of shared memory"):
-        jax.block_until_ready(_dispatch_program(cfgs["cuda"], mesh, True, False)(x, idx))
-    jax_ep.finalize()
+    try:
+        x, idx, _ = _inputs(np.random.default_rng(7), "per_rank", 1, 2, hidden)
+        with pytest.raises(Exception, match=r"hidden=45568 needs 46992 bytes of shared memory"):
+            jax.block_until_ready(_dispatch_program(cfgs["cuda"], mesh, True, False)(x, idx))
+    finally:
+        jax_ep.finalize()
     _check_dispatch("per_expert", 1, 2, True, hidden, False)
 
 
