@@ -101,3 +101,20 @@ def test_bench_cli_calls_below_the_configs_token_budget(tmp_path):
     assert all(r["max_tokens"] == 8 and r["us"] > 0 for r in rows), rows
     bad = subprocess.run(base + ["--ll-max-tokens", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--ll-max-tokens 2 is below --ll-tokens 3" in bad.stderr, bad.stderr[-1000:]
+
+
+def test_bench_cli_marginal_time_per_added_call(tmp_path):
+    """--marginal: each loop is followed by one of 2N calls; every row gets marginal_us (median over rounds of the
+    median (t(2N) - t(N)) / N) with one value per round, and the table two more columns."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jax_ep.bench", "--mode", "normal", "--tokens", "8", "--hidden", "128",
+           "--experts", "8", "--topk", "2", "--calls", "2", "--loops", "3", "--repeat", "2", "--marginal",
+           "--only", "jax_ep dispatch bf16,all_to_all padded", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| per added call (us) | x best JAX baseline per added call |" in proc.stdout
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert rows and all(len(r["marginal_reps_us"]) == 2 and r["marginal_us"] is not None for r in rows), rows
+    assert all(min(r["marginal_reps_us"]) <= r["marginal_us"] <= max(r["marginal_reps_us"]) for r in rows), rows
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| normal | 8 | jax_ep dispatch bf16 |"))
+    assert row.count("|") == 11 and re.search(r"\| [0-9.]+x \([0-9.]+-[0-9.]+\) \|$", row), row

@@ -74,6 +74,9 @@ def parse_args(argv, on_gpu):
     p.add_argument("--no-warmup-ops", action="store_true",
                    help="jax_ep.initialize(..., warmup_ops=False): no warm-up execution of the ops before the first call "
                         "(to see what it buys in the 'first call / steady' column)")
+    p.add_argument("--marginal", action="store_true",
+                   help="also time each loop with 2N calls and report (t(2N) - t(N)) / N, what an added call costs "
+                        "without the loop's launch and wait (docs/BENCHMARKS.md, Method)")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching contenders (default: all)")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots")
     p.add_argument("--seed", type=int, default=0, help="seed of the random routing and inputs")
@@ -145,7 +148,8 @@ def _prepare(case, args):
     """The case's compiled loop (harness.prepare_op), rolled when the unrolled loop runs out of memory."""
     try:
         return prepare_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
-                          num_calls=args.calls, loops=args.loops, first_call=case.first_call)
+                          num_calls=args.calls, loops=args.loops, first_call=case.first_call,
+                          marginal=args.marginal)
     except Exception as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -154,7 +158,8 @@ def _prepare(case, args):
         print("    out of memory unrolled; timing a rolled loop instead", flush=True)
         case.name += " (rolled loop)"
         return prepare_op(case.name, case.op, case.args, case.mesh, case.in_specs, case.feedback,
-                          num_calls=args.calls, loops=args.loops, first_call=case.first_call, unroll=False)
+                          num_calls=args.calls, loops=args.loops, first_call=case.first_call, unroll=False,
+                          marginal=args.marginal)
 
 
 def _time_cases(cases, mode, tokens, experts, args, max_tokens):
@@ -173,11 +178,14 @@ def _time_cases(cases, mode, tokens, experts, args, max_tokens):
             results.append(dict(mode=mode, tokens=tokens, name=case.name, kind=case.kind, error=str(e)[:500]))
             continue
         print(f"    compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+    marginal_reps = {id(prep): [] for _, prep, _ in prepared}
     for rep in range(args.repeat):
         for case, prep, reps in prepared:
             with case.setting():
                 samples = measure(prep, args.loops)
             reps.append(statistics.median(samples))
+            if prep.marginal:
+                marginal_reps[id(prep)].append(statistics.median(prep.marginal))
             prep.loops_us.extend(s * 1e6 for s in samples)
             spread = (max(samples) - min(samples)) / reps[-1]
             prep.loop_spread = spread
@@ -193,6 +201,9 @@ def _time_cases(cases, mode, tokens, experts, args, max_tokens):
                             op=case.op_kind, us=us, gbps=gbps, spread=spread, reps_us=[r * 1e6 for r in reps],
                             loops_us=[round(v, 2) for v in prep.loops_us],
                             first_call_us=None if prep.first_call is None else prep.first_call * 1e6,
+                            marginal_us=(statistics.median(marginal_reps[id(prep)]) * 1e6
+                                         if marginal_reps[id(prep)] else None),
+                            marginal_reps_us=[m * 1e6 for m in marginal_reps[id(prep)]],
                             single_call_us=None if prep.single_call is None else prep.single_call * 1e6,
                             bytes_received=case.bytes_received))
     return results
@@ -243,21 +254,25 @@ def low_latency_phases(devices, args, rng):
     return rows
 
 
-def _speedup(r, base):
-    """base time / r's time; with several rounds the median of the per-round ratios and their min-max."""
-    reps, base_reps = r.get("reps_us") or [], base.get("reps_us") or []
+def _speedup(r, base, key="us"):
+    """base time / r's time (key "us": wall per call; "marginal_us": per added call); with several rounds the median
+    of the per-round ratios and their min-max."""
+    reps, base_reps = r.get(key[:-2] + "reps_us") or [], base.get(key[:-2] + "reps_us") or []
     if len(reps) > 1 and len(reps) == len(base_reps):
         ratios = sorted(b / x for b, x in zip(base_reps, reps))
         return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-    return f"{base['us'] / r['us']:.2f}x"
+    return f"{base[key] / r[key]:.2f}x"
 
 
 def print_table(results):
-    print("\n| mode | T | contender | op | time (us) | GB/s | x best JAX baseline | first call / steady |")
-    print("|---|---|---|---|---|---|---|---|")
+    """The results as one markdown table; with --marginal two more columns: per added call, and its ratio."""
+    marginal = any(r.get("marginal_us") for r in results)
+    extra = " per added call (us) | x best JAX baseline per added call |" if marginal else ""
+    print("\n| mode | T | contender | op | time (us) | GB/s | x best JAX baseline | first call / steady |" + extra)
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if marginal else ""))
     for r in results:
         if "error" in r:
-            print(f"| {r['mode']} | {r['tokens']} | {r['name']} | | failed | | | |")
+            print(f"| {r['mode']} | {r['tokens']} | {r['name']} | | failed | | | |" + (" | |" if marginal else ""))
             continue
         base = [b for b in results if b.get("kind") == "baseline" and "error" not in b
                 and b["mode"] == r["mode"] and b["tokens"] == r["tokens"] and b["op"] == r["op"]]
@@ -265,8 +280,15 @@ def print_table(results):
         ratio = (f"{r['first_call_us'] / r['single_call_us']:.2f}" if r.get("first_call_us") and
                  r.get("single_call_us") else "")
         gbps = f"{r['gbps']:.1f}" if r.get("gbps") else ""
-        print(f"| {r['mode']} | {r['tokens']} | {r['name']} | {r['op']} | {r['us']:.1f} | {gbps} | "
-              f"{speedup} | {ratio} |")
+        line = (f"| {r['mode']} | {r['tokens']} | {r['name']} | {r['op']} | {r['us']:.1f} | {gbps} | "
+                f"{speedup} | {ratio} |")
+        if marginal:
+            m = r.get("marginal_us")
+            mbase = [b for b in base if b.get("marginal_us")]
+            mspeed = (_speedup(r, min(mbase, key=lambda b: b["marginal_us"]), "marginal_us")
+                      if m and mbase and r["kind"] == "jax_ep" else "")
+            line += f" {m:.1f} | {mspeed} |" if m else " | |"
+        print(line)
 
 
 def write_outputs(results, args, machine, model):

@@ -66,12 +66,16 @@ class Prepared:
     single_call: float | None
     loop_spread: float | None = None  # (max - min) / median of the last measured loops
     loops_us: list = dataclasses.field(default_factory=list)  # us per call of every measured loop, in order
+    # marginal: the same loop with 2N calls, timed right after each N-call loop; (t(2N) - t(N)) / N is the time an
+    # added call costs, without the loop's launch and wait (about 1 ms per loop with one process driving 4 GPUs)
+    loop2: Callable | None = None
+    marginal: list = dataclasses.field(default_factory=list)  # seconds per added call of the last measure()
 
 
 def prepare_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, loops=5, first_call=True,
-               unroll=True) -> Prepared:
+               unroll=True, marginal=False) -> Prepared:
     """Compiles the chained loop and runs it once (warm-up); with first_call, first times a one-call program's first
-    execution and the median of `loops` later ones."""
+    execution and the median of `loops` later ones; with marginal, also a loop of 2 * num_calls (Prepared.loop2)."""
     args = tuple(to_global(a, mesh, s) for a, s in zip(args, in_specs))
     first = steady_single = None
     if first_call:  # one call, compiled ahead: the first execution's latency (compile excluded)
@@ -87,15 +91,25 @@ def prepare_op(name, op, args, mesh, in_specs, feedback=feed_row, num_calls=20, 
         steady_single = statistics.median(single_times)
     loop = chained_loop(op, num_calls, mesh, in_specs, feedback, unroll).lower(*args).compile()
     jax.block_until_ready(loop(*args))  # warm-up
-    return Prepared(name, loop, args, num_calls, first, steady_single)
+    loop2 = None
+    if marginal:
+        loop2 = chained_loop(op, 2 * num_calls, mesh, in_specs, feedback, unroll).lower(*args).compile()
+        jax.block_until_ready(loop2(*args))
+    return Prepared(name, loop, args, num_calls, first, steady_single, loop2=loop2)
 
 
 def measure(prep: Prepared, loops: int) -> list[float]:
-    """Seconds per call of each of `loops` runs of the prepared loop."""
+    """Seconds per call of each of `loops` runs of the prepared loop. With prep.loop2, each run is followed by one of
+    the 2N-call loop, and prep.marginal gets (t(2N) - t(N)) / N of each pair."""
     samples = []
+    prep.marginal = []
     for _ in range(loops):
         t0 = time.perf_counter()
         jax.block_until_ready(prep.loop(*prep.args))
-        samples.append((time.perf_counter() - t0) / prep.num_calls)
+        t1 = time.perf_counter()
+        samples.append((t1 - t0) / prep.num_calls)
+        if prep.loop2 is not None:
+            jax.block_until_ready(prep.loop2(*prep.args))
+            prep.marginal.append((time.perf_counter() - t1 - (t1 - t0)) / prep.num_calls)
     return samples
 
