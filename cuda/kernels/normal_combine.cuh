@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(32, 1) combine_wait_kernel(const __grid_consta
 // (all ranks first send to rank 0, then to rank 1, ...): one GPU's NVLink ingress was the bottleneck while the
 // others idled. Warps instead interleave the remote sources: virtual row j -> source (me + 1 + j % (R-1)) % R,
 // k-th row of that source with k = j / (R-1), so consecutive warps write to different peers and the rotation by
-// `me` makes the ranks start on different destinations (measured against source order: docs/log/2026-11-benchmark-runs.md).
+// `me` makes the ranks start on different destinations.
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;

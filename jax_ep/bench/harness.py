@@ -67,7 +67,7 @@ class Prepared:
     loop_spread: float | None = None  # (max - min) / median of the last measured loops
     loops_us: list = dataclasses.field(default_factory=list)  # us per call of every measured loop, in order
     # marginal: the same loop with 2N calls, timed right after each N-call loop; (t(2N) - t(N)) / N is the time an
-    # added call costs, without the loop's launch and wait (about 1 ms per loop with one process driving 4 GPUs)
+    # added call costs, without the loop's launch and wait
     loop2: Callable | None = None
     marginal: list = dataclasses.field(default_factory=list)  # seconds per added call of the last measure()
 
