@@ -154,8 +154,8 @@ __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int 
     for (int j = 0; j < tid; ++j) first &= (dest(__ldg(ids + j)) != d);  // a repeat gets no message of its own
     s_dest[tid] = first ? d : -1;
   }
-  // s_epos holds the slots' experts until the positions replace them (the compares below read them from shared
-  // memory: two register arrays of kMaxTopk would spill).
+  // s_epos holds the slots' experts until the positions replace them (the compares below read one slot's at a time
+  // from shared memory, beside the earlier token's destinations and experts in registers).
   if (kExpertPositions && tid < K) s_epos[tid] = expert(__ldg(ids + tid));
   __syncthreads();
   auto mine = [&](int k) { return k < K ? s_dest[k] : -1; };
@@ -170,26 +170,29 @@ __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int 
   }
   for (int tp0 = 0; tp0 < t; tp0 += blockDim.x) {  // earlier tokens, one per thread (warp-uniform trip count)
     const int tp = tp0 + tid;
-    uint32_t hit = 0u, ehit = 0u;  // bit k: the earlier token names slot k's destination / expert
-    if (tp < t) {
-      const int32_t* other = topk_idx + static_cast<int64_t>(tp) * K;
-      int32_t id[kMaxTopk];  // every load in flight before the compares
+    int32_t id[kMaxTopk];  // the earlier token's ids as given (-1 past K and for threads without a token)
 #pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) id[j] = j < K ? __ldg(other + j) : -1;
+    for (int j = 0; j < kMaxTopk; ++j) id[j] = tp < t && j < K ? __ldg(topk_idx + static_cast<int64_t>(tp) * K + j) : -1;
+    // slot by slot: this token's destination (expert) read once from shared memory and compared with the earlier
+    // token's K ids, counted once per earlier token however often it names it. Destination d owns the experts
+    // [d * div, (d + 1) * div), all valid, so a range test replaces dividing each id (an invalid id, negative or
+    // >= E, is in no valid destination's range and equals no valid expert).
 #pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) {
-        const int32_t d = dest(id[j]), ee = expert(id[j]);  // -1 past K: never a hit
+    for (int k = 0; k < kMaxTopk; ++k) {
+      const int32_t md = mine(k);
+      const int32_t lo = md >= 0 ? md * div : 1, hi = md >= 0 ? lo + div : 0;  // empty range for no destination
+      bool hit = false;
 #pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k) {
-          if (d >= 0 && d == mine(k)) hit |= 1u << k;
-          if (kExpertPositions && ee >= 0 && ee == mine_e(k)) ehit |= 1u << k;
-        }
+      for (int j = 0; j < kMaxTopk; ++j) hit |= id[j] >= lo && id[j] < hi;
+      const int c = __popc(__ballot_sync(0xffffffffu, hit));
+      int ce = 0;
+      if (kExpertPositions) {
+        const int32_t me_k = mine_e(k);
+        bool ehit = false;
+#pragma unroll
+        for (int j = 0; j < kMaxTopk; ++j) ehit |= me_k >= 0 && id[j] == me_k;
+        ce = __popc(__ballot_sync(0xffffffffu, ehit));
       }
-    }
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {  // once per earlier token, however often it names the destination
-      const int c = __popc(__ballot_sync(0xffffffffu, (hit >> k) & 1u));
-      const int ce = kExpertPositions ? __popc(__ballot_sync(0xffffffffu, (ehit >> k) & 1u)) : 0;
       if (lane == 0) {
         s_part[warp][k] += c;
         if (kExpertPositions) s_epart[warp][k] += ce;
