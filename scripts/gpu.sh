@@ -48,6 +48,8 @@ steps:
   cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
   signal-cost        scripts/signal_cost.cu on GPUs 0 and 1: the cost of a flag per way of ordering the data before it
   rank-loops         scripts/rank_loops.cu on GPUs 0 and 1: what each loop over a group's ranks costs, R = 8 to 256
+  peer-bandwidth     scripts/peer_bandwidth.cu on every GPU: NVLink egress GB/s per GPU when all send to all at once,
+                     per copy method (SM stores, TMA bulk copies) and blocks B = 1 to 132
 variables (default):
   DRY_RUN=1  print the commands, run nothing       NO_BUILD=1  no build (the tree was built before)
   PREBUILT=DIR  where build/ is missing, copy DIR's _jax_ep_*.so into jax_ep/ instead of building
@@ -327,6 +329,9 @@ step_signal_cost() { local DIGEST='round trip'
 step_rank_loops() { local DIGEST='^\| [0-9]|rank_loops:'
   run "rank loops" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icuda -Icuda/include -o \
     '$SCRATCH/rank_loops' scripts/rank_loops.cu && CUDA_VISIBLE_DEVICES=0,1 '$SCRATCH/rank_loops'"; }
+step_peer_bandwidth() { local DIGEST='^\| [a-z]|peer_bandwidth:'
+  run "peer bandwidth" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -Icuda/include -o \
+    '$SCRATCH/peer_bandwidth' scripts/peer_bandwidth.cu && '$SCRATCH/peer_bandwidth'"; }
 do_step() {  # STEP: its commands, its log, its status line
   local s=$1 t0=$SECONDS; STEP_RC=0; STEP_LOG=$LOG/$s.log
   [ "$s" = build ] && BUILT=1  # once per call, also when it fails
@@ -341,8 +346,8 @@ for s in "$@"; do
   case $s in
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
-    low-latency-ratio|low-latency-ab|chain-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite|signal-cost|rank-loops)
-      STEPS+=("$s") ;;
+    low-latency-ratio|low-latency-ab|chain-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite) STEPS+=("$s") ;;
+    signal-cost|rank-loops|peer-bandwidth) STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac
 done
