@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
   combine_source_spans(p, s_begin, s_end, &s_span);
   const int num_src = R - 1;  // R == 1: nothing to send
   const int64_t total = static_cast<int64_t>(num_src) * s_span;
-  for (int64_t j = global_warp(); j < total; j += num_global_warps()) {
+  for (int64_t j = first_item(); j < total; j = next_item(g, total)) {
     const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
     const int32_t row = s_begin[from] + static_cast<int32_t>(j / num_src);
     if (row >= s_end[from]) continue;  // this source has fewer rows
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
     if (t < 0) continue;  // padding (or a corrupted handle)
     store_combine_row(p, peer_base(g, from), static_cast<int64_t>(me) * p.max_tokens_per_rank + t, row);
   }
-  finish_and_signal_data(g, epoch);
+  finish_and_signal_data(g, epoch, true);
 }
 
 // Combine step 2: y[t] = sum over ranks r (ascending) that kept token t of r's term, accumulated in f32. r's term is
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
 //   - push mode (after combine_wait_kernel): slot [r][t] of the staging, where step 1 of r copied it; node-first
 //     combine: a remote node's ranks are one term, its partial row in fwd_rows.
 // Every way reads the same numbers in the same order, so the result does not depend on the mode.
-// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), spread over every warp of
-// the grid, so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
+// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), taken by the warps of the
+// grid one at a time (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
 // rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
 // result does not depend on the chunking.
 constexpr int kReduceVecs = 128;
@@ -118,6 +118,7 @@ template <typename Elem>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __grid_constant__ CombineParams p) {
   using P = Pack<Elem>;
   constexpr int kU = kReduceVecs / 32;  // vectors per lane per item
+  phase_begin(g_normal_phases);
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, me = g.rank, lane = lane_id(), nvl = g.forward_nvl;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
     __syncthreads();
   }
 
-  for (int item = global_warp(); item < items; item += num_global_warps()) {
+  for (int item = first_item(); item < items; item = static_cast<int>(next_item(g, items))) {
     const int t = item / chunks, c = item - t * chunks;
     const bool with_weights = c == 0 && lane < p.num_weights;
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
@@ -209,7 +210,11 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
       if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
     if (with_weights) p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
   }
-  if (pull) finish_and_signal_data(g, current_epoch(g));  // done reading every rank's inputs
+  __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
+  // pull: the last block tells every rank this rank is done reading its inputs
+  if (pull ? finish_and_signal_data(g, current_epoch(g), true) : last_items_block(g))
+    phase_stamp(g_normal_phases, kPhaseReduceLastBlockDone);
 }
 
 }  // namespace

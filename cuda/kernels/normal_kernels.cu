@@ -15,6 +15,9 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "common/copy.cuh"
 #include "common/phase_stamps.cuh"
@@ -156,14 +159,14 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
       load_recv_targets(self + a.g.layout.recv_targets + d * kRecvTargetBytes, &s_targets[d]);
     __syncthreads();
   }
-  for (int t = global_warp(); t < a.num_tokens; t += num_global_warps()) {
+  for (int t = first_item(); t < a.num_tokens; t = static_cast<int>(next_item(a.g, a.num_tokens))) {
     int32_t rows[kMaxNvlPeers];
     token_rows<kMaxNvlPeers>(a, t, 0, rows);
     store_token<kMaxNvlPeers>(a, t, 0, rows, a.direct ? s_targets : nullptr);
   }
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseSendBlockDone);
-  finish_and_signal_data(a.g, epoch);
+  if (finish_and_signal_data(a.g, epoch, true)) phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -257,6 +260,32 @@ namespace {
 
 int clamp_blocks(int n) { return n < 1 ? 1 : (n > 4096 ? 4096 : n); }
 
+// At most the blocks of `kernel` (`threads` per block) resident at once on the current device, and at least 1: a
+// kernel that takes items (next_item) runs as one wave, since a block that starts after others have taken every
+// item leaves its own first-round item to a late tail. Occupancy is asked once per (device, kernel).
+int one_wave(const void* kernel, int threads, int blocks) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> resident;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return clamp_blocks(blocks);
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = resident.find({dev, kernel});
+    if (it != resident.end()) {
+      n = it->second;
+    } else {
+      int sms = 0, per_sm = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess)
+        return clamp_blocks(blocks);  // the launch reports what failed
+      n = resident[{dev, kernel}] = sms * per_sm;
+    }
+  }
+  const int c = clamp_blocks(blocks);
+  return n > 0 && n < c ? n : c;
+}
+
 // The NVSHMEM kernels of a group with remote ranks (GroupCtx::remote != 0: EPConfig.normal_over_nvshmem), or
 // nullptr for the NVLink kernels. Error: remote ranks but the NVSHMEM module has not handed its table over.
 Status transport_ops(const GroupCtx& g, const NormalNvshmemOps** ops) {
@@ -287,7 +316,8 @@ Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, 
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->send_and_receive_rows(s, clamp_blocks(num_sms), stream)));
   } else {
-    send_rows_kernel<<<clamp_blocks(num_sms), kSendThreads, 0, stream>>>(s);
+    send_rows_kernel<<<one_wave(reinterpret_cast<const void*>(send_rows_kernel), kSendThreads, num_sms), kSendThreads, 0,
+                       stream>>>(s);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -315,7 +345,10 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
                                        "notify: counts published",   "notify: count signal sent",
                                        "notify: counts exchanged",
                                        "notify: outputs written",    "send rows: block's tokens stored",
-                                       "combine: publish + barrier done"};
+                                       "send rows: last block done",
+                                       "combine: publish + barrier done",
+                                       "reduce: block's items done",
+                                       "reduce: last block done"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
   ns->clear();
   hits->clear();
@@ -428,15 +461,19 @@ Status launch_combine(const CombineParams& params, cudaStream_t stream) {
   } else {
     combine_publish_barrier_kernel<<<1, 32, 0, stream>>>(p);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    combine_send_kernel<<<clamp_blocks(p.num_sms), kSendThreads, 0, stream>>>(p);
+    combine_send_kernel<<<one_wave(reinterpret_cast<const void*>(combine_send_kernel), kSendThreads, p.num_sms),
+                          kSendThreads, 0, stream>>>(p);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     combine_wait_kernel<<<1, 32, 0, stream>>>(p, false);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  if (p.dtype == CombineDtype::kBF16)
-    combine_reduce_kernel<__nv_bfloat16><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
-  else
-    combine_reduce_kernel<float><<<clamp_blocks(p.copy_blocks), kCopyThreads, 0, stream>>>(p);
+  if (p.dtype == CombineDtype::kBF16) {
+    const void* k = reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>);
+    combine_reduce_kernel<__nv_bfloat16><<<one_wave(k, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p);
+  } else {
+    const void* k = reinterpret_cast<const void*>(combine_reduce_kernel<float>);
+    combine_reduce_kernel<float><<<one_wave(k, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p);
+  }
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (ops == nullptr) {
     combine_wait_kernel<<<1, 32, 0, stream>>>(p, true);

@@ -16,7 +16,10 @@ enum NormalPhase : int {
   kPhaseNotifyExchanged,    // notify: every rank's count signal of this op seen (block barrier)
   kPhaseNotifyOutputs,      // notify: handle counts written
   kPhaseSendBlockDone,      // send rows, each block: its tokens stored (block barrier)
+  kPhaseSendLastBlockDone,  // send rows, the last block: every block's ticket taken, data signals stored
   kPhaseCombineBarrier,     // combine publish + barrier: done
+  kPhaseReduceBlockDone,    // combine reduce, each block: its items summed (block barrier)
+  kPhaseReduceLastBlockDone,  // combine reduce, the last block: every block's ticket taken (pull: done signals stored)
   kNormalPhases
 };
 static_assert(kNormalPhases <= kMaxPhases, "PhaseSums holds every phase");

@@ -18,6 +18,7 @@
 
 #include "common/last_block.cuh"
 #include "common/ptx.cuh"
+#include "common/thread.cuh"
 #include "jax_ep/constants.h"
 #include "jax_ep/group_ctx.h"
 #include "jax_ep/signal_header.h"
@@ -82,13 +83,42 @@ __device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t f
   wait_reached(header_word(self_base(g), flag_offset + 4 * peer), epoch, g.timeout_ns, what, g.rank, peer);
 }
 
+// Work items of a kernel, one per warp at a time: the grid's first round is static (item = global_warp(), no atomic
+// at the start, when every warp would hit the counter at once); after it a warp that finishes takes the next item
+// from the counter kNextItem (one atomic add by lane 0), so blocks whose stores drain faster are not left idle while
+// others still hold a fixed share. With at most num_global_warps() items there is no second round and no atomic.
+// Every kernel that takes items ends in last_items_block, which puts the counter back to 0.
+__device__ __forceinline__ int first_item() { return global_warp(); }
+__device__ __forceinline__ int64_t next_item(const GroupCtx& g, int64_t items) {
+  const int64_t round = num_global_warps();
+  if (items <= round) return items;
+  uint32_t taken = 0;
+  if ((threadIdx.x & 31u) == 0) taken = atomicAdd(header_word(self_base(g), SignalHeader::kNextItem), 1u);
+  return round + __shfl_sync(0xffffffffu, taken, 0);
+}
+
+// last_block (GPU-scope tickets) of a kernel that took next_item: true in the last block, which has put kNextItem
+// back to 0 (every warp's last add precedes its block's ticket). Called by every thread of every block.
+__device__ __forceinline__ bool last_items_block(const GroupCtx& g) {
+  __shared__ int32_t s_last;
+  if (!last_block<TicketScope::kGpu>(header_word(self_base(g), SignalHeader::kBlockDone), &s_last)) return false;
+  if (threadIdx.x == 0) *header_word(self_base(g), SignalHeader::kNextItem) = 0u;
+  return true;
+}
+
 // End of a kernel that wrote rows into peers: the last block to finish tells every rank that all rows of this op
 // from this rank are in place (its threads signal the ranks in parallel). Called by every thread of every block.
-__device__ __forceinline__ void finish_and_signal_data(const GroupCtx& g, uint32_t epoch) {
+// With items: the kernel took next_item (last_items_block's reset). Returns true in the last block.
+__device__ __forceinline__ bool finish_and_signal_data(const GroupCtx& g, uint32_t epoch, bool items = false) {
   __shared__ int32_t s_last;
   // GPU-scope tickets: each signal is a release at system scope, cumulative over every block's stores and loads
-  if (!last_block<TicketScope::kGpu>(header_word(self_base(g), SignalHeader::kBlockDone), &s_last)) return;
+  if (items) {
+    if (!last_items_block(g)) return false;
+  } else if (!last_block<TicketScope::kGpu>(header_word(self_base(g), SignalHeader::kBlockDone), &s_last)) {
+    return false;
+  }
   for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+  return true;
 }
 
 }  // namespace jax_ep

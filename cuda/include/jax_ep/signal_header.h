@@ -47,6 +47,9 @@ struct SignalHeader {
   // u32: barriers of the NVSHMEM normal kernels this rank completed (kNvshmemBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
   static constexpr int64_t kNvshmemEpoch = kSingles + 24;
+  // u32: the next work item of the normal send kernel (NVLink) and of combine's reduce, taken by one atomic add per
+  // warp and item; the kernel's last block (last_block, after every warp's final add) puts it back to 0.
+  static constexpr int64_t kNextItem = kSingles + 28;
   // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
   static constexpr int64_t kLowLatencyFusedToken = kSingles + 32;
 
@@ -81,6 +84,7 @@ constexpr Word kWords[] = {
     {SignalHeader::kNvshmemCount, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kNvshmemData, 8 * kMaxGroupRanks, 8},
     {SignalHeader::kNvshmemEpoch, 4, 4},
+    {SignalHeader::kNextItem, 4, 4},
     {SignalHeader::kCombineSources, 2 * kMaxNvlPeers * SignalHeader::kCombineSourceBytes, 16},
 };
 
