@@ -3,7 +3,7 @@
 //
 // Dispatch:  layout + count exchange -> direct-addressed row writes -> per-destination completion signal -> local
 //            copy-out of staging into XLA's outputs, or with direct receive (one process, RecvTargets) row writes
-//            straight into the destination's outputs and only the padding written locally.
+//            straight into the destination's outputs, the padding rows written by the send kernel after its tokens.
 // Combine:   publish + barrier -> push mode: rows back into the sources' staging, signal, reduce from staging;
 //            pull mode (one process, every rank published its CombineSource): reduce reading the peers' inputs,
 //            then "done reading" signals.
@@ -148,8 +148,25 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
 // Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
 // every destination of the token (normal_device.cuh).
 // With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows there.
+// One warp: padding row `row` of this rank's outputs (a.pad): zeros, top-k ids and source -1, weights 0.
+__device__ __forceinline__ void store_padding_row(const SendArgs& a, int32_t row) {
+  const int lane = lane_id(), n16 = a.row_bytes / 16;
+  int4* dst = reinterpret_cast<int4*>(a.pad.rows + static_cast<int64_t>(row) * a.row_bytes);
+  for (int i = lane; i < n16; i += 32) st_v4(dst + i, make_int4(0, 0, 0, 0));
+  if (a.pad.scales != nullptr)
+    for (int j = lane; j < a.scale_cols; j += 32) a.pad.scales[static_cast<int64_t>(row) * a.scale_cols + j] = 0.0f;
+  if (lane < a.num_weights) {
+    const int64_t at = static_cast<int64_t>(row) * a.num_weights + lane;
+    if (a.pad.topk_idx != nullptr) a.pad.topk_idx[at] = -1;
+    if (a.pad.weights != nullptr) a.pad.weights[at] = 0.0f;
+  }
+  if (lane == 0 && a.pad.src_idx != nullptr) a.pad.src_idx[row] = -1;
+  if (lane == 0 && a.pad.src_rank != nullptr) a.pad.src_rank[row] = -1;
+}
+
 __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid_constant__ SendArgs a) {
   __shared__ RecvTargets s_targets[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+  __shared__ int32_t s_received;                  // rows this rank receives, cut by the capacity (with a.pad)
   phase_begin(g_normal_phases);
   const uint32_t epoch = current_epoch(a.g);
   if (a.direct) {
@@ -157,12 +174,23 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
     const char* self = self_base(a.g);
     for (int d = threadIdx.x; d < a.g.num_ranks; d += blockDim.x)
       load_recv_targets(self + a.g.layout.recv_targets + d * kRecvTargetBytes, &s_targets[d]);
-    __syncthreads();
   }
-  for (int t = first_item(); t < a.num_tokens; t = static_cast<int>(next_item(a.g, a.num_tokens))) {
+  if (threadIdx.x == 0 && a.pad.rows != nullptr) {
+    int32_t n = 0;
+    for (int s = 0; s < a.g.num_ranks; ++s) n += a.pad.recv_rank_counts[s];
+    s_received = min(n, a.capacity);
+  }
+  __syncthreads();
+  // items: the tokens, then this rank's padding rows (a.pad)
+  const int items = a.num_tokens + (a.pad.rows != nullptr ? a.capacity - s_received : 0);
+  for (int i = first_item(); i < items; i = static_cast<int>(next_item(a.g, items))) {
+    if (i >= a.num_tokens) {
+      store_padding_row(a, s_received + (i - a.num_tokens));
+      continue;
+    }
     int32_t rows[kMaxNvlPeers];
-    token_rows<kMaxNvlPeers>(a, t, 0, rows);
-    store_token<kMaxNvlPeers>(a, t, 0, rows, a.direct ? s_targets : nullptr);
+    token_rows<kMaxNvlPeers>(a, i, 0, rows);
+    store_token<kMaxNvlPeers>(a, i, 0, rows, a.direct ? s_targets : nullptr);
   }
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseSendBlockDone);
@@ -170,9 +198,8 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Copy-out (dispatch and cached dispatch), after wait_data_kernel: copies staging rows [0, min(n, C))
-// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C). Direct receive (the senders wrote
-// rows [0, min(n, C)) into the outputs): the padding only.
+// Copy-out (dispatch and cached dispatch through staging), after wait_data_kernel: copies staging rows [0, min(n, C))
+// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C). Not launched with direct receive.
 struct RecvArgs {
   GroupCtx g;
   const int32_t* recv_rank_counts;  // [R]
@@ -186,7 +213,6 @@ struct RecvArgs {
   int32_t num_weights;
   int32_t* out_src_idx;             // [C] or nullptr
   int32_t* out_src_rank;            // [C] or nullptr
-  bool direct;                      // this rank published its outputs as RecvTargets this op
 };
 
 __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
@@ -203,7 +229,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
   const char* self = self_base(g);
   const int n16 = a.row_bytes / 16;
 
-  for (int row = (a.direct ? valid_rows : 0) + global_warp(); row < a.capacity; row += num_global_warps()) {
+  for (int row = global_warp(); row < a.capacity; row += num_global_warps()) {
     const bool valid = row < valid_rows;
     const int32_t s = valid ? source_of_row(s_prefix, R, row) : -1;  // the row's source rank
     // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
@@ -309,7 +335,7 @@ Status launch_barrier_on(const GroupCtx& g, const NormalNvshmemOps* ops, cudaStr
 }
 
 // The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's
-// rows have arrived here, then copy staging into XLA's outputs with all SMs. Stream order carries the
+// rows have arrived here, then copy staging into XLA's outputs with all SMs (none with s.pad: direct receive). Stream order carries the
 // dependencies; only the one-warp kernel spins (wide kernels never wait: not all of their blocks need be resident).
 Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
                              const NormalNvshmemOps* ops, cudaStream_t stream) {
@@ -322,6 +348,7 @@ Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, 
     wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
+  if (ops == nullptr && s.pad.rows != nullptr) return Status::Ok();  // direct receive: the send kernel padded
   recv_copy_kernel<<<clamp_blocks(copy_blocks), kCopyThreads, 0, stream>>>(r);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
@@ -413,7 +440,8 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.num_weights = p.num_topk;
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
-  r.direct = ops == nullptr && p.direct_receive;
+  if (ops == nullptr && p.direct_receive)
+    s.pad = {r.out_rows, r.out_scales, r.out_topk_idx, r.out_weights, r.out_src_idx, r.out_src_rank, r.recv_rank_counts};
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 

@@ -136,6 +136,18 @@ struct SendArgs {
   int32_t* chunked_send_pos;
   int32_t chunk_tokens;            // notify_chunk_tokens(num_tokens) with chunked_send_pos
   bool direct;                     // dispatch (NVLink kernels): destinations' RecvTargets are published this op
+  // Dispatch with direct receive on the NVLink path: this rank's own outputs, whose padding rows
+  // [min(received, capacity), capacity) the send kernel writes as work items after the tokens (so no copy-out pass
+  // runs); rows nullptr: the copy-out kernel writes the padding.
+  struct Padding {
+    char* rows;                       // [C, row_bytes]
+    float* scales;                    // [C, scale_cols] or nullptr
+    int32_t* topk_idx;                // [C, num_weights] or nullptr
+    float* weights;                   // [C, num_weights] or nullptr
+    int32_t* src_idx;                 // [C] or nullptr
+    int32_t* src_rank;                // [C] or nullptr
+    const int32_t* recv_rank_counts;  // [R], written by notify
+  } pad;
 };
 
 }  // namespace jax_ep::normal
