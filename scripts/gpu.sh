@@ -48,8 +48,8 @@ steps:
   cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
   signal-cost        scripts/signal_cost.cu on GPUs 0 and 1: the cost of a flag per way of ordering the data before it
   rank-loops         scripts/rank_loops.cu on GPUs 0 and 1: what each loop over a group's ranks costs, R = 8 to 256
-  peer-bandwidth     scripts/peer_bandwidth.cu on every GPU: NVLink egress GB/s per GPU when all send to all at once,
-                     per copy method (SM stores, TMA bulk copies) and blocks B = 1 to 132
+  peer-bandwidth     scripts/peer_bandwidth.cu on every GPU: NVLink GB/s per GPU when all send to (or read from) all at
+                     once, per copy method (SM stores or loads, TMA bulk copies) and blocks B = 1 to 132
 variables (default):
   DRY_RUN=1  print the commands, run nothing       NO_BUILD=1  no build (the tree was built before)
   PREBUILT=DIR  where build/ is missing, copy DIR's _jax_ep_*.so into jax_ep/ instead of building

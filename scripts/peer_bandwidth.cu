@@ -1,5 +1,6 @@
-// NVLink egress per GPU when every visible GPU (2 to 8) sends to every other at once, the all-to-all of a MoE
-// dispatch, per copy method and number of blocks B (one per SM). One process drives all GPUs, peer access on between
+// NVLink bandwidth per GPU when every visible GPU (2 to 8) sends to every other at once, the all-to-all of a MoE
+// dispatch (or, pulling, reads from every other, as a pull combine), per copy method and number of blocks B (one per
+// SM). One process drives all GPUs, peer access on between
 // every pair. Per launch each GPU reads ROWS rows of ROW_BYTES from its own memory, each once, and stores every row
 // into its own slot of every peer's receive buffer (fan-out, like dispatch): egress = ROWS * ROW_BYTES * (G - 1).
 // Rows go to blocks round-robin. Methods:
@@ -9,9 +10,12 @@
 //               (cp.async.bulk, mbarrier) per row, one bulk store per peer from the stage (bulk_group)
 //   tma_4warps  the same with four producer warps per block, each its own quarter of the ring
 //   tma_4k      tma with the stores split into 4 KB bulk copies
+//   pull: ...   the reverse (a pull combine's reads): each GPU reads every peer's rows into its own receive buffer,
+//               per (row, peer) item: sm_loads (a warp, 8 loads per lane in flight, then local stores), tma (a bulk
+//               load from the peer into a ring stage, a bulk store into local memory), tma_4warps; GB/s = ingress
 // Each cell: 3 warm-up + 10 timed launches on all GPUs together (a stream and events per GPU), the median over
-// launches of the slowest GPU's event time; GB/s = egress bytes per GPU / that time. After each method's runs sampled
-// rows of every slot are compared with their source on the host.
+// launches of the slowest GPU's event time; GB/s = egress (pull: ingress) bytes per GPU / that time. After each
+// method's runs sampled rows of every slot are compared with their source on the host.
 //   scripts/gpu.sh peer-bandwidth, or
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -Icuda/include -o /tmp/peer_bandwidth scripts/peer_bandwidth.cu
 //   /tmp/peer_bandwidth [ROWS [ROW_BYTES]]   (defaults 4096 and 14336 = 7168 bf16; ROW_BYTES a multiple of 16)
@@ -33,11 +37,24 @@ using namespace jax_ep;
 constexpr int kMaxGpus = 8, kWarm = 3, kReps = 10, kSmWarps = 16, kUnroll = 8, kMaxStages = 16;
 constexpr int kRingBytes = 200 * 1024;
 
-// This sender's slot in each peer's receive buffer.
+// Push methods: p[i] = this sender's slot in peer i's receive buffer (q unused). Pull methods: p[i] = peer i's
+// source rows, q[i] = peer i's slot in this GPU's receive buffer.
 struct Dsts {
   char* p[kMaxGpus - 1];
+  char* q[kMaxGpus - 1];
   int n;
 };
+
+// d.p[i] / d.q[i] for a runtime i, by unrolled select (a dynamic index into a kernel parameter array would copy it to
+// local memory).
+__device__ __forceinline__ void peer_pair(const Dsts& d, int i, const char** from, char** to) {
+#pragma unroll
+  for (int k = 0; k < kMaxGpus - 1; ++k)
+    if (k == i) {
+      *from = d.p[k];
+      *to = d.q[k];
+    }
+}
 
 // Rows of block b: b + B * k, k = 0, 1, ...; its warp w takes those with k % warps == w.
 __global__ void __launch_bounds__(512) sm_stores(const char* src, Dsts d, int rows, int row_bytes, int) {
@@ -57,6 +74,30 @@ __global__ void __launch_bounds__(512) sm_stores(const char* src, Dsts d, int ro
         for (int j = 0; j < kUnroll; ++j)
           if (base + j * 32 + lane < n16) st_v4(t + base + j * 32 + lane, v[j]);
       }
+    }
+  }
+}
+
+// Pull: items (row, peer), peer fastest, one warp per item: 8 16-byte loads per lane from the peer in flight, then
+// stores into this GPU's receive buffer.
+__global__ void __launch_bounds__(512) sm_loads(const char*, Dsts d, int rows, int row_bytes, int) {
+  const int lane = lane_id(), n16 = row_bytes / 16;
+  const int64_t items = static_cast<int64_t>(rows) * d.n;
+  for (int64_t it = blockIdx.x + gridDim.x * warp_id(); it < items; it += gridDim.x * kSmWarps) {
+    const int r = static_cast<int>(it / d.n), i = static_cast<int>(it % d.n);
+    const char* from = nullptr;
+    char* to = nullptr;
+    peer_pair(d, i, &from, &to);
+    const int4* s = reinterpret_cast<const int4*>(from + static_cast<int64_t>(r) * row_bytes);
+    int4* t = reinterpret_cast<int4*>(to + static_cast<int64_t>(r) * row_bytes);
+    for (int base = 0; base < n16; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j)
+        if (base + j * 32 + lane < n16) v[j] = ld_nc_v4(s + base + j * 32 + lane);
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j)
+        if (base + j * 32 + lane < n16) st_v4(t + base + j * 32 + lane, v[j]);
     }
   }
 }
@@ -117,7 +158,9 @@ __device__ __forceinline__ void bulk_wait_read(int n) {
 // After row j's stores are committed as one group, wait_group.read lag (lag = stages / 2) frees the stage of row
 // j - lag, which then loads row j - lag + stages: stages - lag rows of loads stay in flight ahead of the stores. The
 // final wait_group 0 makes every store complete (written to the peer) before the kernel ends.
-template <int kProducers, int kChunk>
+// kPull: the items are (row, peer) pairs, peer fastest; each is loaded from the peer's source (d.p) and stored once
+// into this GPU's receive buffer (d.q).
+template <int kProducers, int kChunk, bool kPull = false>
 __global__ void __launch_bounds__(32 * kProducers) tma(const char* src, Dsts d, int rows, int row_bytes, int stages) {
   extern __shared__ __align__(128) char ring[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
@@ -127,25 +170,42 @@ __global__ void __launch_bounds__(32 * kProducers) tma(const char* src, Dsts d, 
   for (int s = 0; s < stages; ++s) mbar_init(bar + s);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the inits before the bulk copies' complete_tx
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const int items = kPull ? rows * d.n : rows;
   const int step = gridDim.x * kProducers, first = blockIdx.x + gridDim.x * warp_id();
-  const int n = first < rows ? (rows - first + step - 1) / step : 0, lag = stages / 2;
+  const int n = first < items ? (items - first + step - 1) / step : 0, lag = stages / 2;
   const int chunk = kChunk > 0 ? kChunk : row_bytes;
-  auto at = [&](int j) { return static_cast<int64_t>(first + static_cast<int64_t>(j) * step) * row_bytes; };
+  auto item = [&](int j) { return first + j * step; };
+  auto at = [&](int j) {  // byte offset of item j's row
+    return static_cast<int64_t>(kPull ? item(j) / d.n : item(j)) * row_bytes;
+  };
   auto load = [&](int j) {
     const int s = j % stages;
+    const char* from = src;
+    if (kPull) {
+      char* unused = nullptr;
+      peer_pair(d, item(j) % d.n, &from, &unused);
+    }
     mbar_expect(bar + s, row_bytes);
-    bulk_load(mine + static_cast<int64_t>(s) * row_bytes, src + at(j), row_bytes, bar + s);
+    bulk_load(mine + static_cast<int64_t>(s) * row_bytes, from + at(j), row_bytes, bar + s);
   };
   for (int j = 0; j < min(stages, n); ++j) load(j);
   for (int j = 0; j < n; ++j) {
     const int s = j % stages;
     mbar_wait(bar + s, static_cast<uint32_t>(j / stages) & 1u);
     const char* stage = mine + static_cast<int64_t>(s) * row_bytes;
-#pragma unroll
-    for (int p = 0; p < kMaxGpus - 1; ++p) {
-      if (p >= d.n) break;
+    if (kPull) {
+      const char* unused = nullptr;
+      char* to = nullptr;
+      peer_pair(d, item(j) % d.n, &unused, &to);
       for (int off = 0; off < row_bytes; off += chunk)
-        bulk_store(d.p[p] + at(j) + off, stage + off, min(chunk, row_bytes - off));
+        bulk_store(to + at(j) + off, stage + off, min(chunk, row_bytes - off));
+    } else {
+#pragma unroll
+      for (int p = 0; p < kMaxGpus - 1; ++p) {
+        if (p >= d.n) break;
+        for (int off = 0; off < row_bytes; off += chunk)
+          bulk_store(d.p[p] + at(j) + off, stage + off, min(chunk, row_bytes - off));
+      }
     }
     bulk_commit();
     if (j >= lag) {
@@ -174,6 +234,7 @@ struct Method {
   const char* name;
   Kernel k;
   int threads, producers;  // producers 0: no ring
+  bool pull;               // each GPU reads its peers' rows (ingress) instead of writing into them (egress)
 };
 
 int main(int argc, char** argv) {
@@ -212,12 +273,16 @@ int main(int argc, char** argv) {
   std::vector<int> blocks;
   for (int b : {1, 2, 4, 8, 16, 24, 32, 64, 132})
     if (blocks.empty() || std::min(b, sms) > blocks.back()) blocks.push_back(std::min(b, sms));
-  const Method methods[] = {{"sm_stores", sm_stores, 512, 0},
-                            {"tma", tma<1, 0>, 32, 1},
-                            {"tma_4warps", tma<4, 0>, 128, 4},
-                            {"tma_4k", tma<1, 4096>, 32, 1}};
+  const Method methods[] = {{"sm_stores", sm_stores, 512, 0, false},
+                            {"tma", tma<1, 0>, 32, 1, false},
+                            {"tma_4warps", tma<4, 0>, 128, 4, false},
+                            {"tma_4k", tma<1, 4096>, 32, 1, false},
+                            {"pull: sm_loads", sm_loads, 512, 0, true},
+                            {"pull: tma", tma<1, 0, true>, 32, 1, true},
+                            {"pull: tma_4warps", tma<4, 0, true>, 128, 4, true}};
   printf("peer_bandwidth: %d GPUs (%s, %d SMs), %d rows of %d bytes per GPU, each to %d peers: %.1f MB egress per "
-         "GPU per launch; GB/s per GPU, median of %d launches of the slowest GPU\n",
+         "GPU per launch (pull: the same bytes read from the peers); GB/s per GPU, median of %d launches of the "
+         "slowest GPU\n",
          G, prop.name, sms, rows, row_bytes, G - 1, egress / 1e6, kReps);
   printf("| method |");
   for (int b : blocks) printf(" B=%d |", b);
@@ -247,8 +312,11 @@ int main(int argc, char** argv) {
       for (int rep = 0; rep < kWarm + kReps; ++rep) {
         for (int g = 0; g < G; ++g) {
           Dsts d{};
-          for (int h = 0; h < G; ++h)
-            if (h != g) d.p[d.n++] = recv[h] + slot * g;
+          for (int h = 0; h < G; ++h) {
+            if (h == g) continue;
+            d.p[d.n] = m.pull ? src[h] : recv[h] + slot * g;
+            d.q[d.n++] = m.pull ? recv[g] + slot * h : nullptr;
+          }
           CK(cudaSetDevice(g));
           CK(cudaEventRecord(t0[g], stream[g]));
           m.k<<<B, m.threads, smem_bytes, stream[g]>>>(src[g], d, rows, row_bytes, stages);
