@@ -172,7 +172,8 @@ __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int 
     const int tp = tp0 + tid;
     int32_t id[kMaxTopk];  // the earlier token's ids as given (-1 past K and for threads without a token)
 #pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) id[j] = tp < t && j < K ? __ldg(topk_idx + static_cast<int64_t>(tp) * K + j) : -1;
+    for (int j = 0; j < kMaxTopk; ++j)
+      id[j] = tp < t && j < K ? __ldg(topk_idx + static_cast<int64_t>(tp) * K + j) : -1;
     // slot by slot: this token's destination (expert) read once from shared memory and compared with the earlier
     // token's K ids, counted once per earlier token however often it names it. Destination d owns the experts
     // [d * div, (d + 1) * div), all valid, so a range test replaces dividing each id (an invalid id, negative or

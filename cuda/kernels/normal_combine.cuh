@@ -108,10 +108,10 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
 //   - push mode (after combine_wait_kernel): slot [r][t] of the staging, where step 1 of r copied it; node-first
 //     combine: a remote node's ranks are one term, its partial row in fwd_rows.
 // Every way reads the same numbers in the same order, so the result does not depend on the mode.
-// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), taken by the warps of the
-// grid one at a time (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane, all loads of a
-// rank are issued before its adds; ranks are summed in ascending order (the order the reference uses), so the
-// result does not depend on the chunking.
+// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), taken by the warps of the grid
+// one at a time (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane,
+// all loads of a rank are issued before its adds; ranks are summed in ascending order (the order the reference uses),
+// so the result does not depend on the chunking.
 constexpr int kReduceVecs = 128;
 
 template <typename Elem>

@@ -145,9 +145,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Row sending (dispatch and cached dispatch): one warp per token, 16-byte vectors, each loaded once and stored to
-// every destination of the token (normal_device.cuh).
-// With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows there.
 // One warp: padding row `row` of this rank's outputs (a.pad): zeros, top-k ids and source -1, weights 0.
 __device__ __forceinline__ void store_padding_row(const SendArgs& a, int32_t row) {
   const int lane = lane_id(), n16 = a.row_bytes / 16;
@@ -164,8 +161,13 @@ __device__ __forceinline__ void store_padding_row(const SendArgs& a, int32_t row
   if (lane == 0 && a.pad.src_rank != nullptr) a.pad.src_rank[row] = -1;
 }
 
+// Row sending (dispatch and cached dispatch): work items (next_item) are the tokens, one warp each, 16-byte vectors
+// each loaded once and stored to every destination of the token (normal_device.cuh), then with a.pad this rank's
+// padding rows. With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows
+// there.
 __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid_constant__ SendArgs a) {
-  __shared__ RecvTargets s_targets[kMaxNvlPeers];  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+  // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
+  __shared__ RecvTargets s_targets[kMaxNvlPeers];
   __shared__ int32_t s_received;                  // rows this rank receives, cut by the capacity (with a.pad)
   phase_begin(g_normal_phases);
   const uint32_t epoch = current_epoch(a.g);
@@ -334,16 +336,17 @@ Status launch_barrier_on(const GroupCtx& g, const NormalNvshmemOps* ops, cudaStr
   return Status::Ok();
 }
 
-// The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's
-// rows have arrived here, then copy staging into XLA's outputs with all SMs (none with s.pad: direct receive). Stream order carries the
-// dependencies; only the one-warp kernel spins (wide kernels never wait: not all of their blocks need be resident).
+// The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's rows have
+// arrived here, then copy staging into XLA's outputs with all SMs (none with s.pad: direct receive). Stream order
+// carries the dependencies; only the one-warp kernel spins (wide kernels never wait: not all of their blocks need be
+// resident).
 Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
                              const NormalNvshmemOps* ops, cudaStream_t stream) {
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->send_and_receive_rows(s, clamp_blocks(num_sms), stream)));
   } else {
-    send_rows_kernel<<<one_wave(reinterpret_cast<const void*>(send_rows_kernel), kSendThreads, num_sms), kSendThreads, 0,
-                       stream>>>(s);
+    const int blocks = one_wave(reinterpret_cast<const void*>(send_rows_kernel), kSendThreads, num_sms);
+    send_rows_kernel<<<blocks, kSendThreads, 0, stream>>>(s);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -441,7 +444,8 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
   if (ops == nullptr && p.direct_receive)
-    s.pad = {r.out_rows, r.out_scales, r.out_topk_idx, r.out_weights, r.out_src_idx, r.out_src_rank, r.recv_rank_counts};
+    s.pad = {r.out_rows,   r.out_scales,   r.out_topk_idx,      r.out_weights,
+             r.out_src_idx, r.out_src_rank, r.recv_rank_counts};
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 

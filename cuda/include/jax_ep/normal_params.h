@@ -12,8 +12,9 @@ namespace jax_ep::normal {
 // Direct receive (one process, NVLink kernels): a receiver's dispatch outputs as every device of the process
 // addresses them. Each dispatch's notify writes its own into every rank's recv_targets[me] before the count signal;
 // senders then store rows, scales, ids, weights, source index and source rank straight into these buffers instead
-// of the receiver's staging, and the receiver's copy-out only writes the padding rows. rows == nullptr: this
-// receiver takes its rows through staging (its outputs are not peer-addressable, or the path is off).
+// of the receiver's staging, and the receiver's own send kernel writes its padding rows (SendArgs::pad; no copy-out
+// runs). rows == nullptr: this receiver takes its rows through staging (its outputs are not peer-addressable, or the
+// path is off).
 struct alignas(16) RecvTargets {
   char* rows;          // recv_x [C, row_bytes]
   float* scales;       // recv_x_scales [C, S], nullptr for bf16

@@ -36,8 +36,9 @@ struct SignalHeader {
   // ---- single words, written by this rank only ----
   static constexpr int64_t kSingles = kNvshmemData + kU64PerRank;
   static constexpr int64_t kBarrierEpoch = kSingles;     // u32: normal-mode ops this rank entered = the op's epoch
-  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal send kernels, of
-                                                         // the pull combine's reduce and of dispatch notify's blocks
+  static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal kernels that
+                                                         // end in last_block (sends, combine's reduce, dispatch
+                                                         // notify's blocks; NVLink and NVSHMEM kernels alike)
   static constexpr int64_t kLowLatencyEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
   static constexpr int64_t kLowLatencySendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
   static constexpr int64_t kLowLatencyRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
@@ -47,8 +48,9 @@ struct SignalHeader {
   // u32: barriers of the NVSHMEM normal kernels this rank completed (kNvshmemBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
   static constexpr int64_t kNvshmemEpoch = kSingles + 24;
-  // u32: the next work item of the normal send kernel (NVLink) and of combine's reduce, taken by one atomic add per
-  // warp and item; the kernel's last block (last_block, after every warp's final add) puts it back to 0.
+  // u32: the next work item past the static first round (next_item, transport/peer.cuh) of the normal NVLink send
+  // kernels (dispatch, push combine) and of combine's reduce, one atomic add per warp and item; the kernel's last
+  // block (last_items_block, after every warp's final add) puts it back to 0.
   static constexpr int64_t kNextItem = kSingles + 28;
   // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
   static constexpr int64_t kLowLatencyFusedToken = kSingles + 32;
