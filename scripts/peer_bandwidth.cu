@@ -56,23 +56,30 @@ __device__ __forceinline__ void peer_pair(const Dsts& d, int i, const char** fro
     }
 }
 
+// One warp's chunk `base` of a row: up to kUnroll 16-byte vectors per lane, all loads in flight before any store.
+__device__ __forceinline__ void load_chunk(const int4* s, int base, int n16, int4* v) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j)
+    if (base + j * 32 + lane_id() < n16) v[j] = ld_nc_v4(s + base + j * 32 + lane_id());
+}
+__device__ __forceinline__ void store_chunk(int4* t, int base, int n16, const int4* v) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j)
+    if (base + j * 32 + lane_id() < n16) st_v4(t + base + j * 32 + lane_id(), v[j]);
+}
+
 // Rows of block b: b + B * k, k = 0, 1, ...; its warp w takes those with k % warps == w.
 __global__ void __launch_bounds__(512) sm_stores(const char* src, Dsts d, int rows, int row_bytes, int) {
-  const int lane = lane_id(), n16 = row_bytes / 16;
+  const int n16 = row_bytes / 16;
   for (int r = blockIdx.x + gridDim.x * warp_id(); r < rows; r += gridDim.x * kSmWarps) {
     const int4* s = reinterpret_cast<const int4*>(src + static_cast<int64_t>(r) * row_bytes);
     for (int base = 0; base < n16; base += 32 * kUnroll) {
       int4 v[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j)
-        if (base + j * 32 + lane < n16) v[j] = ld_nc_v4(s + base + j * 32 + lane);
+      load_chunk(s, base, n16, v);
 #pragma unroll
       for (int p = 0; p < kMaxGpus - 1; ++p) {  // static indices: d stays in parameter space
         if (p >= d.n) break;
-        int4* t = reinterpret_cast<int4*>(d.p[p] + static_cast<int64_t>(r) * row_bytes);
-#pragma unroll
-        for (int j = 0; j < kUnroll; ++j)
-          if (base + j * 32 + lane < n16) st_v4(t + base + j * 32 + lane, v[j]);
+        store_chunk(reinterpret_cast<int4*>(d.p[p] + static_cast<int64_t>(r) * row_bytes), base, n16, v);
       }
     }
   }
@@ -81,7 +88,7 @@ __global__ void __launch_bounds__(512) sm_stores(const char* src, Dsts d, int ro
 // Pull: items (row, peer), peer fastest, one warp per item: 8 16-byte loads per lane from the peer in flight, then
 // stores into this GPU's receive buffer.
 __global__ void __launch_bounds__(512) sm_loads(const char*, Dsts d, int rows, int row_bytes, int) {
-  const int lane = lane_id(), n16 = row_bytes / 16;
+  const int n16 = row_bytes / 16;
   const int64_t items = static_cast<int64_t>(rows) * d.n;
   for (int64_t it = blockIdx.x + gridDim.x * warp_id(); it < items; it += gridDim.x * kSmWarps) {
     const int r = static_cast<int>(it / d.n), i = static_cast<int>(it % d.n);
@@ -92,12 +99,8 @@ __global__ void __launch_bounds__(512) sm_loads(const char*, Dsts d, int rows, i
     int4* t = reinterpret_cast<int4*>(to + static_cast<int64_t>(r) * row_bytes);
     for (int base = 0; base < n16; base += 32 * kUnroll) {
       int4 v[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j)
-        if (base + j * 32 + lane < n16) v[j] = ld_nc_v4(s + base + j * 32 + lane);
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j)
-        if (base + j * 32 + lane < n16) st_v4(t + base + j * 32 + lane, v[j]);
+      load_chunk(s, base, n16, v);
+      store_chunk(t, base, n16, v);
     }
   }
 }
