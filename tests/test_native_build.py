@@ -76,12 +76,12 @@ def test_state_types_are_registrable_pairs():
 # ---- staging arithmetic, checked against numbers written out by hand -----------------------------------------------
 # Normal region (staging_layout.h), hidden=128, num_topk=2, T_max=4, R=2, capacity=10, E=8:
 #   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
-#   signals  align256(align16(12288 + 4 * (R*R + 8192 + 4R + 4)) = 45120 (room for kMaxLayoutExperts expert
+#   signals  align256(align16(16384 + 4 * (R*R + 8192 + 4R + 4)) = 49216 (room for kMaxLayoutExperts expert
 #            counts: the peer-written window ends at the same offset for every E) + R * 64 receive targets
-#            + notify scratch 4 * 32 * (R + E) = 1280) = 46592
+#            + notify scratch 4 * 32 * (R + E) = 1280) = 50688
 #   payload  align256(10 * 4*128 = 5120)                    = 5120
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
-#   total = 46592 + 5120 + 1024 = 52736
+#   total = 50688 + 5120 + 1024 = 56832
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
 #   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(144 + 260) = 416
 #   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096), rows at 4864
@@ -93,15 +93,15 @@ SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
 
 
 def test_normal_buffer_bytes_by_hand():
-    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 52736
+    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 56832
     # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
-    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 46592 + 4096 + 4 * 256
+    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 50688 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
-    #   signals: receive targets at align16(12288 + 4*(16 + 8192 + 16 + 4)) = 45200, 4 * 64 bytes of them, the
-    #   notify scratch 4 * 32 * (4 + 256) = 33280, align256(78736) = 78848; payload 16384*28672 = 469762048;
+    #   signals: receive targets at align16(16384 + 4*(16 + 8192 + 16 + 4)) = 49296, 4 * 64 bytes of them, the
+    #   notify scratch 4 * 32 * (4 + 256) = 33280, align256(78736) = 82944; payload 16384*28672 = 469762048;
     #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
-        78848 + 469762048 + 3670016 + 1048576 + 65536)
+        82944 + 469762048 + 3670016 + 1048576 + 65536)
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
@@ -110,12 +110,12 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
     #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
     #   expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 52736 + 512 + 5120 + 3 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 56832 + 512 + 5120 + 3 * 256
     # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
     plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, nvshmem=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 52736
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 56832
 
 
 def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
@@ -162,12 +162,12 @@ def test_staging_plan_by_hand():
     assert native.staging_plan([17408, 3000], [24576, 1024]) == (17408 + 24576, 17408, 24576)
     assert native.staging_plan([17408], []) == (17408, 17408, 0)
     # the normal region never ends before the signal header; low_latency_offset is 256-aligned
-    assert native.staging_plan([], []) == (12288, 12288, 0)
-    assert native.staging_plan([1000], [5120]) == (12288 + 5120, 12288, 5120)
-    assert native.staging_plan([12300], []) == (12544, 12544, 0)
+    assert native.staging_plan([], []) == (16384, 16384, 0)
+    assert native.staging_plan([1000], [5120]) == (16384 + 5120, 16384, 5120)
+    assert native.staging_plan([16400], []) == (16640, 16640, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
     ll = LL_FIXED + 2 * 14592
-    assert plan == (52736 + ll, 52736, ll)
+    assert plan == (56832 + ll, 56832, ll)
 
 
 def test_staging_rejects_bad_arguments():
@@ -199,7 +199,7 @@ def test_bind_axis_rejects_bad_arguments():
     with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
         native.bind_axis(axis, 1, 4096, 4096)      # inside the signal header
     with pytest.raises(ValueError, match="low_latency_offset must be a multiple of 256"):
-        native.bind_axis(axis, 1, 12300, 4096)     # misaligned
+        native.bind_axis(axis, 1, 16400, 4096)     # misaligned
     with pytest.raises(ValueError, match="set_id must be >= 0"):
         native.bind_axis(axis, -1, 1024, 0)
     with pytest.raises(ValueError, match="axis name is empty"):

@@ -70,10 +70,11 @@ __device__ __forceinline__ bool first_timeout_report() { return atomicExch(&time
 // Spins until *flag has reached `target` (acquire, system scope). After timeout_ns it prints who waited for whom
 // (once per module) and traps: a peer that never arrives ends the program with a message instead of hanging it.
 __device__ __forceinline__ void wait_reached(const uint32_t* flag, uint32_t target, uint64_t timeout_ns,
-                                             const char* what, int rank, int peer) {
+                                             const char* what, int rank, int peer, uint32_t backoff_ns = 0) {
   if (reached(ld_acquire_sys(flag), target)) return;
   const uint64_t start = global_timer_ns();
   while (!reached(ld_acquire_sys(flag), target)) {
+    if (backoff_ns != 0) __nanosleep(backoff_ns);
     if (global_timer_ns() - start > timeout_ns) {
       if (first_timeout_report())
         printf("jax_ep: timeout after %llu ns in %s: rank %d waited for rank %d (epoch %u, flag %u); ranks are "

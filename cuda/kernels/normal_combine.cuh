@@ -1,6 +1,8 @@
-// Normal-mode combine on the NVLink kernels (launched by normal_kernels.cu's launch_combine): publish + barrier,
-// push-mode send of each received row back to its source, the one-warp waits, and the reduction (push: from staging;
-// pull: from the peers' inputs). normal_kernels.cu's header comment has the op's sequence.
+// Normal-mode combine on the NVLink kernels (launched by normal_kernels.cu's launch_combine): publish + barrier; push
+// mode: one kernel whose sender blocks send each received row back to its source while its reducer blocks sum the
+// rows as they land; pull mode: the reduction reading the peers' inputs, then the one-warp wait. The reduction also
+// serves the NVSHMEM kernels' push mode (from staging, after their wait). normal_kernels.cu's header comment has the
+// op's sequence.
 // NOTE: for the one translation unit of the normal-mode kernels (normal_kernels.cu): kernels with internal linkage.
 #pragma once
 
@@ -56,83 +58,149 @@ __device__ __forceinline__ bool pull_mode(const CombineParams& p) {
   return true;
 }
 
-// Combine's one wait (one warp, never inside a wide kernel: see wait_data_kernel): in push mode before the reduce
-// (every rank's rows are in this rank's staging), in pull mode after it (every rank has finished reading this
-// rank's inputs, which XLA may reuse once the op ends). The other launch returns at once.
-__global__ void __launch_bounds__(32, 1) combine_wait_kernel(const __grid_constant__ CombineParams p, bool after_reduce) {
-  if (pull_mode(p) != after_reduce) return;
+// Pull combine's wait (one warp, never inside a wide kernel: see wait_data_kernel), after the reduce: every rank has
+// finished reading this rank's inputs, which XLA may reuse once the op ends. In push mode it returns at once.
+__global__ void __launch_bounds__(32, 1) combine_wait_kernel(const __grid_constant__ CombineParams p) {
+  if (!pull_mode(p)) return;
   const GroupCtx& g = p.g;
   const uint32_t epoch = current_epoch(g);
   for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
-    wait_peer(g, s, SignalHeader::kDataFlag, epoch,
-              after_reduce ? "combine (peers reading this rank's values)" : "receive (data from peers)");
+    wait_peer(g, s, SignalHeader::kDataFlag, epoch, "combine (peers reading this rank's values)");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Combine step 1 (push mode): every received row from a remote rank s goes back to s, into s's slot
-// [this rank][source token].
-// Rows from this rank itself are not copied: step 2 reads them straight from `values` (row send_row_offset[me] +
-// send_pos[t, me] is exactly the row that dispatch placed token t of this rank in).
-//
-// NOTE (row order): received rows are grouped by source rank ([prefix[s], prefix[s] + count[s]) holds rank s's
-// rows). Taking them in that order made every warp of every rank write to the same destination at the same time
-// (all ranks first send to rank 0, then to rank 1, ...): one GPU's NVLink ingress was the bottleneck while the
-// others idled. Warps instead interleave the remote sources: virtual row j -> source (me + 1 + j % (R-1)) % R,
-// k-th row of that source with k = j / (R-1), so consecutive warps write to different peers and the rotation by
-// `me` makes the ranks start on different destinations.
-__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineParams p) {
-  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
-  const GroupCtx& g = p.g;
-  const int R = g.num_ranks, me = g.rank;
-  if (pull_mode(p)) return;  // the sources read the rows themselves
-  const uint32_t epoch = current_epoch(g);
-  combine_source_spans(p, s_begin, s_end, &s_span);
-  const int num_src = R - 1;  // R == 1: nothing to send
-  const int64_t total = static_cast<int64_t>(num_src) * s_span;
-  for (int64_t j = first_item(); j < total; j = next_item(g, total)) {
-    const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
-    const int32_t row = s_begin[from] + static_cast<int32_t>(j / num_src);
-    if (row >= s_end[from]) continue;  // this source has fewer rows
-    const int32_t t = combine_row_token(p, row, from);
-    if (t < 0) continue;  // padding (or a corrupted handle)
-    store_combine_row(p, peer_base(g, from), static_cast<int64_t>(me) * p.max_tokens_per_rank + t, row);
-  }
-  finish_and_signal_data(g, epoch, true);
+// Push combine's arrival counter of (rank `from`'s rows, chunk c) in the staging at `base` (signal_header.h:
+// kCombineArrivals).
+__device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int c) {
+  return header_word(base, SignalHeader::kCombineArrivals + 4 * (static_cast<int64_t>(from) * kCombineChunks + c));
 }
 
-// Combine step 2: y[t] = sum over ranks r (ascending) that kept token t of r's term, accumulated in f32. r's term is
-// the row of token t in r's `values` (row send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
+// y[t] for the columns of chunk c (kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16) = the sum over ranks r
+// (ascending) that kept token t of r's term, accumulated in f32. r's term is the row of token t in r's `values` (row
+// send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
 //   - r == this rank: read from `values` here;
-//   - pull mode (pull_mode(p)): read from r's `values` through the peer mapping (its CombineSource), after which the
-//     last block tells every rank this rank is done reading (combine_wait_kernel waits for that);
-//   - push mode (after combine_wait_kernel): slot [r][t] of the staging, where step 1 of r copied it; node-first
-//     combine: a remote node's ranks are one term, its partial row in fwd_rows.
-// Every way reads the same numbers in the same order, so the result does not depend on the mode.
-// Work item = (token, chunk of kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16), taken by the warps of the grid
-// one at a time (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). Per lane,
+//   - pull mode: read from r's `values` through the peer mapping (s_src[r], its CombineSource);
+//   - push mode: slot [r][t] of the staging, where r's send copied it; with chunk_rows > 0 (combine_push_kernel) lane
+//     r first waits until r's chunk of rows holding the token is complete (combine_arrivals), else the whole op's
+//     rows are in (combine_wait_kernel's data wait ran before); node-first combine: a remote node's ranks are one
+//     term, its partial row in fwd_rows.
+// Every way reads the same numbers in the same order, so the result does not depend on the mode. One warp. Per lane,
 // all loads of a rank are issued before its adds; ranks are summed in ascending order (the order the reference uses),
 // so the result does not depend on the chunking.
 constexpr int kReduceVecs = 128;
 
 template <typename Elem>
-__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __grid_constant__ CombineParams p) {
+__device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c, bool pull, const CombineSource* s_src,
+                                            int chunk_rows, uint32_t backoff_ns = 0) {
   using P = Pack<Elem>;
   constexpr int kU = kReduceVecs / 32;  // vectors per lane per item
-  phase_begin(g_normal_phases);
   const GroupCtx& g = p.g;
   const BufferLayout& B = g.layout;
   const int R = g.num_ranks, me = g.rank, lane = lane_id(), nvl = g.forward_nvl;
-  const char* self = self_base(g);
+  char* self = self_base(g);
   const int n16 = p.row_bytes / 16;
-  const int chunks = (n16 + kReduceVecs - 1) / kReduceVecs;
   const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
+  const bool with_weights = c == 0 && lane < p.num_weights;
+  int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
+  const int base = c * kReduceVecs + lane;
+  float acc[kU][P::kN];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+#pragma unroll
+    for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
+  }
+  float wacc = 0.0f;
+  // The ranks that kept the token, in ascending order (the summation order the results are defined by), 32 per
+  // ballot; with node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the partial row
+  // (values' dtype) its forwarder put into fwd_rows [node][t], at the place of the node's first kept rank
+  // (ranks ascend, so a node's later ranks find it in done_node).
+  int done_node = -1;
+  for (int first = 0; first < R; first += 32) {
+    bool kept = false;
+    if (first + lane < R) {
+      const int q = first + lane;
+      const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + q);
+      // A row cut by rank q's capacity never arrived there: it contributes 0 (its slot holds stale data).
+      kept = sp >= 0 && __ldg(p.send_row_offset + q) + sp < p.capacity;
+      // q's row of this token is its sp-th row for this rank (its rows for this rank follow send_pos)
+      if (chunk_rows > 0 && kept && q != me)
+        wait_reached(combine_arrivals(self, q, sp / chunk_rows), static_cast<uint32_t>(chunk_rows), g.timeout_ns,
+                     "combine (rows from peers)", me, q, backoff_ns);
+    }
+    if (chunk_rows > 0) __syncwarp();  // orders each waiting lane's acquire before every lane's loads below
+    for (uint32_t m = __ballot_sync(0xffffffffu, kept); m != 0u; m &= m - 1u) {
+      const int r = first + __ffs(m) - 1;
+      int4 v[kU];
+      if (nvl > 0 && r / nvl != me / nvl) {
+        const int node = r / nvl;
+        if (node == done_node) continue;
+        done_node = node;
+        const int64_t slot = forward_slot(B, node, me / nvl, t);
+        const int4* src = reinterpret_cast<const int4*>(self + B.fwd_rows + slot * B.payload_stride);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+        if (with_weights)
+          wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + slot * B.fwd_stride + 4) + lane);
+      } else if (r == me || pull) {
+        // row of token t in r's `values`: every rank's values are its op's read-only input, so nothing writes them
+        // while this kernel runs (a peer's stay valid until it has seen this rank's done signal)
+        const char* values = r == me ? static_cast<const char*>(p.values) : s_src[r].values;
+        const float* weights = r == me ? p.weights : s_src[r].weights;
+        const int32_t row = __ldg(p.send_row_offset + r) + __ldg(p.send_pos + static_cast<int64_t>(t) * R + r);
+        const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
+        if (with_weights) wacc += __ldg(weights + static_cast<int64_t>(row) * p.num_weights + lane);
+      } else {
+        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
+        if (with_weights)
+          wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + (r * rank_stride + t) *
+                                                                                     p.num_weights + lane);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (base + 32 * u < n16) P::add(acc[u], v[u]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
+  if (with_weights) p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
+}
+
+// Reduce items: (token, chunk of kReduceVecs vectors), token-major, taken by the warps of `q` one at a time
+// (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy).
+template <typename Elem>
+__device__ __forceinline__ void reduce_items(const CombineParams& p, const ItemQueue& q, bool pull,
+                                             const CombineSource* s_src, int chunk_rows, uint32_t backoff_ns = 0) {
+  const int chunks = (p.row_bytes / 16 + kReduceVecs - 1) / kReduceVecs;
   const int items = p.num_tokens * chunks;  // < 2^31: T <= max_tokens_per_rank, chunks <= H / 512
+  for (int item = first_item(q); item < items; item = static_cast<int>(next_item(q, items))) {
+    const int t = item / chunks;
+    reduce_item<Elem>(p, t, item - t * chunks, pull, s_src, chunk_rows, backoff_ns);
+  }
+}
+
+// Combine's reduce as its own kernel: pull mode (the NVLink kernels, after the barrier; the last block then tells
+// every rank this rank is done reading its inputs), or push mode after the NVSHMEM kernels' send and wait.
+// pull_only: the NVLink launch, where push mode reduces in combine_push_kernel and this kernel returns at once.
+template <typename Elem>
+__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __grid_constant__ CombineParams p,
+                                                                      bool pull_only) {
+  const GroupCtx& g = p.g;
+  const bool pull = pull_mode(p);
+  if (pull_only && !pull) return;
+  phase_begin(g_normal_phases);
   // every rank's CombineSource in pull mode (R <= kMaxNvlPeers: the NVLink kernels), else only this rank's inputs
   __shared__ CombineSource s_src[kMaxNvlPeers];
-  const bool pull = pull_mode(p);
   if (pull) {
     const char* table = combine_sources(self_base(g), current_epoch(g));
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x) {
       s_src[r].values = reinterpret_cast<const char*>(
           __ldcg(reinterpret_cast<const unsigned long long*>(table + r * SignalHeader::kCombineSourceBytes)));
       s_src[r].weights = reinterpret_cast<const float*>(
@@ -140,81 +208,103 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
     }
     __syncthreads();
   }
-
-  for (int item = first_item(); item < items; item = static_cast<int>(next_item(g, items))) {
-    const int t = item / chunks, c = item - t * chunks;
-    const bool with_weights = c == 0 && lane < p.num_weights;
-    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
-    const int base = c * kReduceVecs + lane;
-    float acc[kU][P::kN];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int j = 0; j < P::kN; ++j) acc[u][j] = 0.0f;
-    }
-    float wacc = 0.0f;
-    // The ranks that kept the token, in ascending order (the summation order the results are defined by), 32 per
-    // ballot; with node-first combine (g.forward_nvl > 0) a remote node's ranks count once, as the partial row
-    // (values' dtype) its forwarder put into fwd_rows [node][t], at the place of the node's first kept rank
-    // (ranks ascend, so a node's later ranks find it in done_node).
-    int done_node = -1;
-    for (int first = 0; first < R; first += 32) {
-      bool kept = false;
-      if (first + lane < R) {
-        const int q = first + lane;
-        const int32_t sp = __ldg(p.send_pos + static_cast<int64_t>(t) * R + q);
-        // A row cut by rank q's capacity never arrived there: it contributes 0 (its slot holds stale data).
-        kept = sp >= 0 && __ldg(p.send_row_offset + q) + sp < p.capacity;
-      }
-      for (uint32_t m = __ballot_sync(0xffffffffu, kept); m != 0u; m &= m - 1u) {
-        const int r = first + __ffs(m) - 1;
-        int4 v[kU];
-        if (nvl > 0 && r / nvl != me / nvl) {
-          const int node = r / nvl;
-          if (node == done_node) continue;
-          done_node = node;
-          const int64_t slot = forward_slot(B, node, me / nvl, t);
-          const int4* src = reinterpret_cast<const int4*>(self + B.fwd_rows + slot * B.payload_stride);
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
-          if (with_weights)
-            wacc += __ldcg(reinterpret_cast<const float*>(self + B.fwd_meta + slot * B.fwd_stride + 4) + lane);
-        } else if (r == me || pull) {
-          // row of token t in r's `values`: every rank's values are its op's read-only input, so nothing writes them
-          // while this kernel runs (a peer's stay valid until it has seen this rank's done signal)
-          const char* values = r == me ? static_cast<const char*>(p.values) : s_src[r].values;
-          const float* weights = r == me ? p.weights : s_src[r].weights;
-          const int32_t row = __ldg(p.send_row_offset + r) + __ldg(p.send_pos + static_cast<int64_t>(t) * R + r);
-          const int4* src = reinterpret_cast<const int4*>(values + static_cast<int64_t>(row) * p.row_bytes);
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
-          if (with_weights) wacc += __ldg(weights + static_cast<int64_t>(row) * p.num_weights + lane);
-        } else {
-          const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
-          if (with_weights)
-            wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + (r * rank_stride + t) *
-                                                                                       p.num_weights + lane);
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < n16) P::add(acc[u], v[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      if (base + 32 * u < n16) dst[base + 32 * u] = P::pack(acc[u]);
-    if (with_weights) p.y_weights[static_cast<int64_t>(t) * p.num_weights + lane] = wacc;
-  }
+  reduce_items<Elem>(p, grid_items(g), pull, s_src, 0);
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
-  // pull: the last block tells every rank this rank is done reading its inputs
   if (pull ? finish_and_signal_data(g, current_epoch(g), true) : last_items_block(g))
     phase_stamp(g_normal_phases, kPhaseReduceLastBlockDone);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Push combine over NVLink, one kernel: `senders` blocks send, the others reduce as the rows land (the reduce of a
+// token waits only for the chunks of rows that hold it, so it runs under the sends instead of after them).
+//
+// Senders: every received row from a remote rank s goes back to s, into s's slot [this rank][source token]; a warp
+// takes 1 to kMaxRowsPerItem consecutive rows of one source per item and adds them to s's arrival counters of their
+// chunks (one red.release.sys per chunk touched: cumulative over the warp's stores, which __syncwarp orders before
+// it). Rows from this rank itself are not copied: the reduce reads them
+// straight from `values`. Row order: received rows are grouped by source rank; taking them in that order made every
+// warp of every rank write to the same destination at the same time, so warps interleave the remote sources instead:
+// item j -> source (me + 1 + j % (R-1)) % R, k-th row of that source with k = j / (R-1) (consecutive warps write to
+// different peers, the rotation by `me` makes the ranks start on different destinations, and each source's rows go
+// in ascending k, so its chunks complete in order).
+// Reducers: reduce_items with the arrival waits (reduce_item), tokens in ascending order.
+//
+// NOTE (progress): reducer blocks spin, so every sender block of this kernel must run: roles go by the order in which
+// blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders; and a peer's senders never
+// wait for anything, so every chunk a reducer waits for completes. The grid is at most one wave and a fraction of the
+// SMs (launch_combine), so kernels on other streams of this GPU still find SMs while the reducers wait.
+constexpr int kMaxRowsPerItem = 4;
+// Pause between two reads of an arrival counter that was not yet complete: a reducer warp that polls without one
+// slows the senders' NVLink stores of the same GPU (measured: docs/BENCHMARKS.md, "Where the time goes").
+constexpr uint32_t kArrivalBackoffNs = 500;
+
+template <typename Elem>
+__global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid_constant__ CombineParams p,
+                                                                    int senders) {
+  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span, s_role, s_last;
+  const GroupCtx& g = p.g;
+  if (pull_mode(p)) return;  // the reduce kernel pulls the rows
+  phase_begin(g_normal_phases);
+  const int R = g.num_ranks, me = g.rank, lane = lane_id();
+  char* self = self_base(g);
+  const int chunk_rows = combine_chunk_rows(p.max_tokens_per_rank);
+  if (threadIdx.x == 0) s_role = static_cast<int32_t>(atomicAdd(header_word(self, SignalHeader::kCombineRoleTicket), 1u));
+  __syncthreads();
+  const int role = s_role;
+  if (role < senders) {
+    combine_source_spans(p, s_begin, s_end, &s_span);
+    const ItemQueue q{header_word(self, SignalHeader::kNextItem), senders, role};
+    const int num_src = R - 1;  // R == 1: nothing to send
+    // rows per item: 1 while each warp has few rows (the last items set the tail), up to kMaxRowsPerItem when many
+    // (one release per item instead of per row: a release waits for the warp's stores, which costs few SMs most)
+    const int64_t rows_per_warp = static_cast<int64_t>(num_src) * s_span / (static_cast<int64_t>(senders) * num_warps());
+    const int per = static_cast<int>(max(int64_t{1}, min(int64_t{kMaxRowsPerItem}, rows_per_warp / 8)));
+    const int64_t total = static_cast<int64_t>(num_src) * ((s_span + per - 1) / per);
+    for (int64_t j = first_item(q); j < total; j = next_item(q, total)) {
+      const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
+      const int32_t k0 = static_cast<int32_t>(j / num_src) * per, n = s_end[from] - s_begin[from];
+      int pending_c = -1;
+      uint32_t pending = 0;
+      for (int32_t k = k0; k < k0 + per && k < n; ++k) {
+        const int c = k / chunk_rows;
+        if (c != pending_c && pending != 0) {
+          __syncwarp();
+          if (lane == 0) red_add_release_sys(combine_arrivals(peer_base(g, from), me, pending_c), pending);
+          pending = 0;
+        }
+        pending_c = c;
+        const int32_t row = s_begin[from] + k;
+        const int32_t t = combine_row_token(p, row, from);
+        if (t >= 0) store_combine_row(p, peer_base(g, from), static_cast<int64_t>(me) * p.max_tokens_per_rank + t, row);
+        // the source's last row completes its chunk: it adds the rows the chunk does not have
+        pending += 1u + (k == n - 1 ? static_cast<uint32_t>((c + 1) * chunk_rows - n) : 0u);
+      }
+      if (pending != 0) {
+        __syncwarp();
+        if (lane == 0) red_add_release_sys(combine_arrivals(peer_base(g, from), me, pending_c), pending);
+      }
+    }
+    __syncthreads();
+    phase_stamp(g_normal_phases, kPhaseCombineSendBlockDone);
+  } else {
+    const ItemQueue q{header_word(self, SignalHeader::kNextReduceItem), static_cast<int>(gridDim.x) - senders,
+                      role - senders};
+    reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs);
+    __syncthreads();
+    phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
+  }
+  // The last block: every reducer has seen every chunk it needed complete, so every row of this op has arrived and
+  // every arrival counter of this rank can go back to 0 (no peer adds again before the next combine's barrier).
+  if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
+  if (threadIdx.x == 0) {
+    *header_word(self, SignalHeader::kNextItem) = 0u;
+    *header_word(self, SignalHeader::kNextReduceItem) = 0u;
+    *header_word(self, SignalHeader::kCombineRoleTicket) = 0u;
+  }
+  const int used = (p.max_tokens_per_rank + chunk_rows - 1) / chunk_rows;
+  for (int i = threadIdx.x; i < R * used; i += blockDim.x) *combine_arrivals(self, i / used, i % used) = 0u;
+  phase_stamp(g_normal_phases, kPhaseReduceLastBlockDone);
 }
 
 }  // namespace

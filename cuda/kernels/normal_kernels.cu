@@ -4,7 +4,8 @@
 // Dispatch:  layout + count exchange -> direct-addressed row writes -> per-destination completion signal -> local
 //            copy-out of staging into XLA's outputs, or with direct receive (one process, RecvTargets) row writes
 //            straight into the destination's outputs, the padding rows written by the send kernel after its tokens.
-// Combine:   publish + barrier -> push mode: rows back into the sources' staging, signal, reduce from staging;
+// Combine:   publish + barrier -> push mode: one kernel, rows back into the sources' staging (counted per chunk
+//            of rows) while other blocks of it reduce from staging each token whose rows are in;
 //            pull mode (one process, every rank published its CombineSource): reduce reading the peers' inputs,
 //            then "done reading" signals.
 // Cached dispatch: barrier -> row writes into staging -> signal -> copy-out.
@@ -363,7 +364,9 @@ Status preload_kernels() {
   JAX_EP_RETURN_IF_ERROR(normal_phase_devices().arm(g_normal_phases));
   return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
                   reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
-                  reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(combine_send_kernel),
+                  reinterpret_cast<const void*>(recv_copy_kernel),
+                  reinterpret_cast<const void*>(combine_push_kernel<__nv_bfloat16>),
+                  reinterpret_cast<const void*>(combine_push_kernel<float>),
                   reinterpret_cast<const void*>(combine_publish_barrier_kernel),
                   reinterpret_cast<const void*>(combine_wait_kernel),
                   reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>),
@@ -377,6 +380,7 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
                                        "notify: outputs written",    "send rows: block's tokens stored",
                                        "send rows: last block done",
                                        "combine: publish + barrier done",
+                                       "push combine: sender block's rows stored",
                                        "reduce: block's items done",
                                        "reduce: last block done"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
@@ -480,38 +484,60 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 
-// NVLink kernels: publish + barrier, send (push mode), wait (push mode), reduce, wait (pull mode): the mode is read
-// on the device from the table the first kernel fills, so one launch sequence serves both.
+namespace {
+
+// Push combine's grid (combine_push_kernel): num_sms sender blocks and twice as many reducer blocks (at least 24: the
+// reduce keeps up with the rows as they land), within one wave; returns the sender blocks.
+int push_combine_grid(const void* kernel, int num_sms, int* blocks) {
+  const int senders = clamp_blocks(num_sms);
+  const int reducers = 2 * senders > 24 ? 2 * senders : 24;
+  *blocks = one_wave(kernel, kSendThreads, senders + reducers);
+  if (*blocks < 2) *blocks = 2;  // one sender and one reducer at least
+  return senders < *blocks / 2 ? senders : *blocks / 2;
+}
+
+template <typename Elem>
+Status launch_combine_nvlink(const CombineParams& p, cudaStream_t stream) {
+  const void* push = reinterpret_cast<const void*>(combine_push_kernel<Elem>);
+  const void* reduce = reinterpret_cast<const void*>(combine_reduce_kernel<Elem>);
+  int blocks = 0;
+  const int senders = push_combine_grid(push, p.num_sms, &blocks);
+  combine_publish_barrier_kernel<<<1, 32, 0, stream>>>(p);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  combine_push_kernel<Elem><<<blocks, kSendThreads, 0, stream>>>(p, senders);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (!p.publish) return Status::Ok();  // push mode for certain: the pull-mode kernels would return at once
+  combine_reduce_kernel<Elem><<<one_wave(reduce, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p, true);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  combine_wait_kernel<<<1, 32, 0, stream>>>(p);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename Elem>
+Status launch_combine_nvshmem(const CombineParams& p, const NormalNvshmemOps* ops, cudaStream_t stream) {
+  const void* reduce = reinterpret_cast<const void*>(combine_reduce_kernel<Elem>);
+  JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
+  JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send_and_receive(p, clamp_blocks(p.num_sms), stream)));
+  combine_reduce_kernel<Elem><<<one_wave(reduce, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p, false);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace
+
+// NVLink kernels: publish + barrier, push combine (push mode), reduce and wait (pull mode): the mode is read on the
+// device from the table the first kernel fills, so one launch sequence serves both. NVSHMEM kernels: barrier, their
+// send and wait, reduce from staging.
 Status launch_combine(const CombineParams& params, cudaStream_t stream) {
   const NormalNvshmemOps* ops = nullptr;
   JAX_EP_RETURN_IF_ERROR(transport_ops(params.g, &ops));
   CombineParams p = params;
   p.pull_table = ops == nullptr;
-  if (ops != nullptr) {
-    JAX_EP_RETURN_IF_ERROR(launch_barrier_on(p.g, ops, stream));
-    JAX_EP_RETURN_IF_ERROR(from_message(ops->combine_send_and_receive(p, clamp_blocks(p.num_sms), stream)));
-  } else {
-    combine_publish_barrier_kernel<<<1, 32, 0, stream>>>(p);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    combine_send_kernel<<<one_wave(reinterpret_cast<const void*>(combine_send_kernel), kSendThreads, p.num_sms),
-                          kSendThreads, 0, stream>>>(p);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    combine_wait_kernel<<<1, 32, 0, stream>>>(p, false);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
-  if (p.dtype == CombineDtype::kBF16) {
-    const void* k = reinterpret_cast<const void*>(combine_reduce_kernel<__nv_bfloat16>);
-    combine_reduce_kernel<__nv_bfloat16><<<one_wave(k, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p);
-  } else {
-    const void* k = reinterpret_cast<const void*>(combine_reduce_kernel<float>);
-    combine_reduce_kernel<float><<<one_wave(k, kCopyThreads, p.copy_blocks), kCopyThreads, 0, stream>>>(p);
-  }
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (ops == nullptr) {
-    combine_wait_kernel<<<1, 32, 0, stream>>>(p, true);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
-  return Status::Ok();
+  const bool bf16 = p.dtype == CombineDtype::kBF16;
+  if (ops == nullptr)
+    return bf16 ? launch_combine_nvlink<__nv_bfloat16>(p, stream) : launch_combine_nvlink<float>(p, stream);
+  return bf16 ? launch_combine_nvshmem<__nv_bfloat16>(p, ops, stream) : launch_combine_nvshmem<float>(p, ops, stream);
 }
 
 }  // namespace jax_ep::normal

@@ -18,8 +18,10 @@ enum NormalPhase : int {
   kPhaseSendBlockDone,      // send rows, each block: its tokens stored (block barrier)
   kPhaseSendLastBlockDone,  // send rows, the last block: every block's ticket taken, data signals stored
   kPhaseCombineBarrier,     // combine publish + barrier: done
-  kPhaseReduceBlockDone,    // combine reduce, each block: its items summed (block barrier)
-  kPhaseReduceLastBlockDone,  // combine reduce, the last block: every block's ticket taken (pull: done signals stored)
+  kPhaseCombineSendBlockDone,  // push combine, each sender block: its rows stored and counted (block barrier)
+  kPhaseReduceBlockDone,    // combine reduce, each (reducer) block: its items summed (block barrier)
+  kPhaseReduceLastBlockDone,  // combine reduce or push combine, the last block: every block's ticket taken (pull: done
+                              // signals stored; push: arrival counters back to 0)
   kNormalPhases
 };
 static_assert(kNormalPhases <= kMaxPhases, "PhaseSums holds every phase");

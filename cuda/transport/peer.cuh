@@ -83,19 +83,31 @@ __device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t f
   wait_reached(header_word(self_base(g), flag_offset + 4 * peer), epoch, g.timeout_ns, what, g.rank, peer);
 }
 
-// Work items of a kernel, one per warp at a time: the grid's first round is static (item = global_warp(), no atomic
-// at the start, when every warp would hit the counter at once); after it a warp that finishes takes the next item
-// from the counter kNextItem (one atomic add by lane 0), so blocks whose stores drain faster are not left idle while
-// others still hold a fixed share. With at most num_global_warps() items there is no second round and no atomic.
-// Every kernel that takes items ends in last_items_block, which puts the counter back to 0.
-__device__ __forceinline__ int first_item() { return global_warp(); }
-__device__ __forceinline__ int64_t next_item(const GroupCtx& g, int64_t items) {
-  const int64_t round = num_global_warps();
+// Work items of a kernel, one per warp at a time: the first round is static (item = the warp's index among the
+// item takers, no atomic at the start, when every warp would hit the counter at once); after it a warp that finishes
+// takes the next item from a counter word (one atomic add by lane 0), so blocks whose stores drain faster are not
+// left idle while others still hold a fixed share. With at most one round of items there is no atomic.
+// An ItemQueue is the blocks that take one kind of item: the whole grid on kNextItem (grid_items), or one role of a
+// kernel whose blocks split into roles, each on its own word. Every kernel that takes items ends in a last block that
+// puts its counters back to 0 (last_items_block for grid_items).
+struct ItemQueue {
+  uint32_t* counter;
+  int blocks;  // blocks taking these items
+  int block;   // this block's index among them
+};
+__device__ __forceinline__ ItemQueue grid_items(const GroupCtx& g) {
+  return {header_word(self_base(g), SignalHeader::kNextItem), static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)};
+}
+__device__ __forceinline__ int first_item(const ItemQueue& q) { return q.block * num_warps() + warp_id(); }
+__device__ __forceinline__ int64_t next_item(const ItemQueue& q, int64_t items) {
+  const int64_t round = static_cast<int64_t>(q.blocks) * num_warps();
   if (items <= round) return items;
   uint32_t taken = 0;
-  if ((threadIdx.x & 31u) == 0) taken = atomicAdd(header_word(self_base(g), SignalHeader::kNextItem), 1u);
+  if (lane_id() == 0) taken = atomicAdd(q.counter, 1u);
   return round + __shfl_sync(0xffffffffu, taken, 0);
 }
+__device__ __forceinline__ int first_item() { return global_warp(); }
+__device__ __forceinline__ int64_t next_item(const GroupCtx& g, int64_t items) { return next_item(grid_items(g), items); }
 
 // last_block (GPU-scope tickets) of a kernel that took next_item: true in the last block, which has put kNextItem
 // back to 0 (every warp's last add precedes its block's ticket). Called by every thread of every block.

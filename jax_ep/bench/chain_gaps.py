@@ -57,8 +57,9 @@ def gap_report(ops) -> tuple[dict, dict, float]:
 
 
 # The one kernel per call that starts its data movement: LL dispatch / combine send kernels, normal mode's
-# (nvshmem_)send_rows_kernel and (nvshmem_)combine_send_kernel (not the forwarders, which run after them).
-_SEND = re.compile(r"send(_rows)?_kernel")
+# (nvshmem_)send_rows_kernel, combine_push_kernel (NVLink; launched in pull mode too, where it returns at once) and
+# nvshmem_combine_send_kernel (not the forwarders, which run after them).
+_SEND = re.compile(r"send(_rows)?_kernel|combine_push_kernel")
 
 
 def sweeps_of(args, argv) -> list:

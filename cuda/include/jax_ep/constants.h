@@ -33,7 +33,14 @@ constexpr int kMaxTopk = 16;               // K
 // ---- staging buffer (cuda/include/jax_ep/staging_layout.h) ----
 constexpr int64_t kAlign = 256;            // every region of the staging buffer starts on this boundary
 constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
-constexpr int64_t kSignalHeaderBytes = 12288;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
+constexpr int64_t kSignalHeaderBytes = 16384;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
+// Push combine on the NVLink path counts arrived rows per (source rank, chunk of its rows), kCombineChunks chunks of
+// combine_chunk_rows(T_max) rows per source, so its reduce can start on a token once that token's rows are in.
+constexpr int kCombineChunks = 128;
+constexpr int combine_chunk_rows(int max_tokens_per_rank) {
+  const int rows = (max_tokens_per_rank + kCombineChunks - 1) / kCombineChunks;
+  return rows > 0 ? rows : 1;
+}
 
 // ---- low-latency mode ----
 constexpr int64_t kMaxLowLatencyExperts = 1024;  // E <= 1024

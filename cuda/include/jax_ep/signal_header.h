@@ -48,9 +48,9 @@ struct SignalHeader {
   // u32: barriers of the NVSHMEM normal kernels this rank completed (kNvshmemBarrier[s] counts those of s: only these
   // barriers signal remote peers, while kBarrierEpoch counts every barrier, the NVLink kernels' too).
   static constexpr int64_t kNvshmemEpoch = kSingles + 24;
-  // u32: the next work item past the static first round (next_item, transport/peer.cuh) of the normal NVLink send
-  // kernels (dispatch, push combine) and of combine's reduce, one atomic add per warp and item; the kernel's last
-  // block (last_items_block, after every warp's final add) puts it back to 0.
+  // u32: the next work item past the static first round (next_item, transport/peer.cuh) of the normal NVLink
+  // dispatch send, of combine's reduce kernel and of push combine's senders, one atomic add per warp and item; the
+  // kernel's last block (after every warp's final add) puts it back to 0.
   static constexpr int64_t kNextItem = kSingles + 28;
   // s32[4]: the token a fused op's send kernel leaves for its receive kernel (same layout as the token array).
   static constexpr int64_t kLowLatencyFusedToken = kSingles + 32;
@@ -61,6 +61,18 @@ struct SignalHeader {
   // table of op n-1 (never of op n-2: the publisher passed barrier n-1, which the peer reached after op n-2).
   static constexpr int64_t kCombineSourceBytes = 16;
   static constexpr int64_t kCombineSources = kSingles + 64;
+
+  // ---- normal-mode push combine over NVLink (cuda/kernels/normal_combine.cuh: combine_push_kernel) ----
+  // u32: the next reduce item past the static first round (the kernel's reducer blocks; kNextItem is its senders').
+  static constexpr int64_t kNextReduceItem = kSingles + 48;
+  // u32: role tickets: the first blocks of the kernel to start send, the others reduce.
+  static constexpr int64_t kCombineRoleTicket = kSingles + 52;
+  // u32 [kMaxNvlPeers][kCombineChunks]: arrivals[s][c] = rows of chunk c (rows c * combine_chunk_rows(T_max) ...) that
+  // rank s stored into this rank's staging this op, each added by a release at system scope after its row; a chunk
+  // is complete at combine_chunk_rows (the warp of rank s's last row adds what its chunk lacks). Zero between ops:
+  // this rank's last block of the kernel puts every word back to 0 once every chunk it waited for is complete, and
+  // a rank only adds after the barrier of the next combine, which this rank enters after that kernel.
+  static constexpr int64_t kCombineArrivals = 12288;
 };
 
 namespace signal_header_detail {
@@ -88,6 +100,9 @@ constexpr Word kWords[] = {
     {SignalHeader::kNvshmemEpoch, 4, 4},
     {SignalHeader::kNextItem, 4, 4},
     {SignalHeader::kCombineSources, 2 * kMaxNvlPeers * SignalHeader::kCombineSourceBytes, 16},
+    {SignalHeader::kNextReduceItem, 4, 4},
+    {SignalHeader::kCombineRoleTicket, 4, 4},
+    {SignalHeader::kCombineArrivals, 4 * kMaxNvlPeers * kCombineChunks, 4},
 };
 
 constexpr bool fits_and_aligned() {
