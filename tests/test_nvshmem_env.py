@@ -333,7 +333,7 @@ def test_the_kernels_default_is_the_python_default():
 def test_pull_combine_min_bytes_default_and_valid_values():
     from jax_ep.runtime import kernel_env as ke
 
-    assert ke.pull_combine_min_bytes({}) == ke.PULL_COMBINE_MIN_BYTES_DEFAULT == 32 << 20
+    assert ke.pull_combine_min_bytes({}) == ke.PULL_COMBINE_MIN_BYTES_DEFAULT == 1 << 50
     for v in ("0", "1", "4194304", str(2 ** 62 - 1)):
         assert ke.pull_combine_min_bytes({"JAX_EP_PULL_COMBINE_MIN_BYTES": v}) == int(v)
     assert "JAX_EP_PULL_COMBINE_MIN_BYTES" not in ke.kernel_environment({"JAX_EP_PULL_COMBINE_MIN_BYTES": "0"})

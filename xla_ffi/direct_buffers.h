@@ -14,12 +14,13 @@ namespace jax_ep::direct_buffers {
 bool enabled();
 void set_enabled(bool on);
 
-// Pull combine pays only where the rows a rank reduces hide the latency of reading its peers' memory: a combine
-// publishes its inputs (and so pulls) only when its output y holds at least pull_combine_min_bytes() bytes; smaller
-// combines push. Default kPullCombineMinBytes; JAX_EP_PULL_COMBINE_MIN_BYTES in the environment (read once) or
-// set_pull_combine_min_bytes() changes it. Every rank of a group decides alike: the test reads only the call's static
-// shape and this process-wide value.
-constexpr int64_t kPullCombineMinBytes = int64_t{32} << 20;
+// A combine publishes its inputs (and so pulls: its reduce reads the peers' rows) only when its output y holds at
+// least pull_combine_min_bytes() bytes; smaller combines push. The default, 2^50 bytes, is larger than any output:
+// every combine pushes, since the push combine (its reduce running under its sends) measured faster at every size
+// (docs/BENCHMARKS.md). JAX_EP_PULL_COMBINE_MIN_BYTES in the environment (read once) or set_pull_combine_min_bytes()
+// changes it. Every rank of a group decides alike: the test reads only the call's static shape and this process-wide
+// value.
+constexpr int64_t kPullCombineMinBytes = int64_t{1} << 50;
 int64_t pull_combine_min_bytes();
 void set_pull_combine_min_bytes(int64_t bytes);
 

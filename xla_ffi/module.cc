@@ -293,7 +293,7 @@ NB_MODULE(_jax_ep_native, m) {
         jax_ep::direct_buffers::set_pull_combine_min_bytes(bytes);
       },
       nb::arg("bytes"),
-      "Sets it for later combine calls of this process (default 32 MiB, or JAX_EP_PULL_COMBINE_MIN_BYTES; 0: every "
+      "Sets it for later combine calls of this process (default 2**50: none pulls, or JAX_EP_PULL_COMBINE_MIN_BYTES; 0: every "
       "combine whose buffers allow it pulls). A call recorded in a command buffer keeps what it was recorded with.");
   m.def(
       "pointer_facts",

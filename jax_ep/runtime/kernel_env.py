@@ -15,7 +15,8 @@ not understand each other's messages.
   passes the environment to every process), not between calls.
 - JAX_EP_PULL_COMBINE_MIN_BYTES: one process driving the group's GPUs with direct buffers on (docs/API.md, "Direct
   buffers"): a normal-mode combine whose output holds at least this many bytes reads the peers' rows itself (pull);
-  smaller ones push their rows into staging. Decimal bytes, 0 or more; default 33554432 (32 MiB). Only one process
+  smaller ones push their rows into staging. Decimal bytes, 0 or more; default 2**50 (no output is as large: every
+  combine pushes). Only one process
   reads it (pull combine never spans processes), so it is not part of the fingerprint.
 """
 
@@ -48,7 +49,7 @@ def low_latency_put_bytes(environ=None) -> int:
 
 
 ENV_PULL_COMBINE_MIN_BYTES = "JAX_EP_PULL_COMBINE_MIN_BYTES"
-PULL_COMBINE_MIN_BYTES_DEFAULT = 32 << 20  # xla_ffi/direct_buffers.h: kPullCombineMinBytes
+PULL_COMBINE_MIN_BYTES_DEFAULT = 1 << 50  # xla_ffi/direct_buffers.h: kPullCombineMinBytes (no output is as large)
 
 
 def pull_combine_min_bytes(environ=None) -> int:
