@@ -98,7 +98,7 @@ def test_normal_buffer_bytes_by_hand():
     assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 50688 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
     #   signals: receive targets at align16(16384 + 4*(16 + 8192 + 16 + 4)) = 49296, 4 * 64 bytes of them, the
-    #   notify scratch 4 * 32 * (4 + 256) = 33280, align256(78736) = 82944; payload 16384*28672 = 469762048;
+    #   notify scratch 4 * 32 * (4 + 256) = 33280, align256(82832) = 82944; payload 16384*28672 = 469762048;
     #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
         82944 + 469762048 + 3670016 + 1048576 + 65536)

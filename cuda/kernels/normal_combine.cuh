@@ -81,9 +81,9 @@ __device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int 
 //   - r == this rank: read from `values` here;
 //   - pull mode: read from r's `values` through the peer mapping (s_src[r], its CombineSource);
 //   - push mode: slot [r][t] of the staging, where r's send copied it; with chunk_rows > 0 (combine_push_kernel) lane
-//     r first waits until r's chunk of rows holding the token is complete (combine_arrivals), else the whole op's
-//     rows are in (combine_wait_kernel's data wait ran before); node-first combine: a remote node's ranks are one
-//     term, its partial row in fwd_rows.
+//     r first waits until r's chunk of rows holding the token is complete (combine_arrivals), else every rank's
+//     rows are in already (the NVSHMEM kernels' send and wait ran before); node-first combine: a remote node's ranks
+//     are one term, its partial row in fwd_rows.
 // Every way reads the same numbers in the same order, so the result does not depend on the mode. One warp. Per lane,
 // all loads of a rank are issued before its adds; ranks are summed in ascending order (the order the reference uses),
 // so the result does not depend on the chunking.
@@ -226,14 +226,15 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 // straight from `values`. Row order: received rows are grouped by source rank; taking them in that order made every
 // warp of every rank write to the same destination at the same time, so warps interleave the remote sources instead:
 // item j -> source (me + 1 + j % (R-1)) % R, k-th row of that source with k = j / (R-1) (consecutive warps write to
-// different peers, the rotation by `me` makes the ranks start on different destinations, and each source's rows go
-// in ascending k, so its chunks complete in order).
+// different peers, the rotation by `me` makes the ranks start on different destinations, and each source's rows are
+// taken in ascending k, so its chunks complete roughly in order).
 // Reducers: reduce_items with the arrival waits (reduce_item), tokens in ascending order.
 //
 // NOTE (progress): reducer blocks spin, so every sender block of this kernel must run: roles go by the order in which
 // blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders; and a peer's senders never
-// wait for anything, so every chunk a reducer waits for completes. The grid is at most one wave and a fraction of the
-// SMs (launch_combine), so kernels on other streams of this GPU still find SMs while the reducers wait.
+// wait for anything, so every chunk a reducer waits for completes. The grid (push_combine_grid: num_sms senders and
+// max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's 132 SMs, so
+// kernels on other streams of this GPU still find SMs while the reducers wait.
 constexpr int kMaxRowsPerItem = 4;
 // Pause between two reads of an arrival counter that was not yet complete: a reducer warp that polls without one
 // slows the senders' NVLink stores of the same GPU (measured: docs/BENCHMARKS.md, "Where the time goes").

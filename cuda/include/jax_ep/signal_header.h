@@ -37,8 +37,8 @@ struct SignalHeader {
   static constexpr int64_t kSingles = kNvshmemData + kU64PerRank;
   static constexpr int64_t kBarrierEpoch = kSingles;     // u32: normal-mode ops this rank entered = the op's epoch
   static constexpr int64_t kBlockDone = kSingles + 4;    // u32: last-block-done counter of the normal kernels that
-                                                         // end in last_block (sends, combine's reduce, dispatch
-                                                         // notify's blocks; NVLink and NVSHMEM kernels alike)
+                                                         // end in last_block (sends, push combine, combine's reduce,
+                                                         // dispatch notify's blocks; NVLink and NVSHMEM kernels)
   static constexpr int64_t kLowLatencyEpoch = kSingles + 8;      // u32: epoch of the last LL send on this rank
   static constexpr int64_t kLowLatencySendDone = kSingles + 12;  // u32: last-block-done counter of the LL send kernels
   static constexpr int64_t kLowLatencyRecvDone = kSingles + 16;  // u32: last-block-done counter of the LL receive kernels
@@ -68,8 +68,9 @@ struct SignalHeader {
   // u32: role tickets: the first blocks of the kernel to start send, the others reduce.
   static constexpr int64_t kCombineRoleTicket = kSingles + 52;
   // u32 [kMaxNvlPeers][kCombineChunks]: arrivals[s][c] = rows of chunk c (rows c * combine_chunk_rows(T_max) ...) that
-  // rank s stored into this rank's staging this op, each added by a release at system scope after its row; a chunk
-  // is complete at combine_chunk_rows (the warp of rank s's last row adds what its chunk lacks). Zero between ops:
+  // rank s stored into this rank's staging this op, added by a release at system scope after the rows of each item
+  // (1-4 rows; one add per chunk the item touches); a chunk is complete at combine_chunk_rows (the warp of rank s's
+  // last row adds what its chunk lacks). Zero between ops:
   // this rank's last block of the kernel puts every word back to 0 once every chunk it waited for is complete, and
   // a rank only adds after the barrier of the next combine, which this rank enters after that kernel.
   static constexpr int64_t kCombineArrivals = 12288;
