@@ -58,6 +58,13 @@ def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     combine = [_ev("nvshmem_combine_send_kernel(P)", 0, 40), _ev("nvshmem_combine_forward_kernel<bf16>(P)", 45, 30),
                _ev("nvshmem_combine_send_kernel(P)", 100, 40)]
     assert gap_report(combine)[2] == 100
+    # the NVLink combine: publish + barrier, then one push kernel (its reduce inside, or a no-op in pull mode, followed
+    # by the pull reduce and its wait); the reduce kernel must not count as a second start of the call
+    nvlink = [("combine_publish_barrier_kernel", 0, 4), ("combine_push_kernel<__nv_bfloat16>", 5, 2),
+              ("combine_reduce_kernel<__nv_bfloat16>", 8, 500), ("combine_wait_kernel", 509, 1)]
+    ops = [_ev(f"void jax_ep::normal::(anonymous namespace)::{n}(P)", ts + 520 * i, d)
+           for i in range(3) for n, ts, d in nvlink]
+    assert gap_report(ops)[2] == 520
 
 
 def test_sweeps_are_low_latency_unless_the_mode_is_given():
