@@ -123,9 +123,11 @@ __device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c
       // A row cut by rank q's capacity never arrived there: it contributes 0 (its slot holds stale data).
       kept = sp >= 0 && __ldg(p.send_row_offset + q) + sp < p.capacity;
       // q's row of this token is its sp-th row for this rank (its rows for this rank follow send_pos)
+      // (clamped: a handle not from dispatch may hold sp >= T_max; its wait then times out instead of reading past
+      // the counters)
       if (chunk_rows > 0 && kept && q != me)
-        wait_reached(combine_arrivals(self, q, sp / chunk_rows), static_cast<uint32_t>(chunk_rows), g.timeout_ns,
-                     "combine (rows from peers)", me, q, backoff_ns);
+        wait_reached(combine_arrivals(self, q, min(sp / chunk_rows, kCombineChunks - 1)),
+                     static_cast<uint32_t>(chunk_rows), g.timeout_ns, "combine (rows from peers)", me, q, backoff_ns);
     }
     if (chunk_rows > 0) __syncwarp();  // orders each waiting lane's acquire before every lane's loads below
     for (uint32_t m = __ballot_sync(0xffffffffu, kept); m != 0u; m &= m - 1u) {
@@ -264,7 +266,10 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
     const int64_t total = static_cast<int64_t>(num_src) * ((s_span + per - 1) / per);
     for (int64_t j = first_item(q); j < total; j = next_item(q, total)) {
       const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
-      const int32_t k0 = static_cast<int32_t>(j / num_src) * per, n = s_end[from] - s_begin[from];
+      // a source sends this rank at most T_max rows (one per token): more means a handle not from dispatch, whose
+      // extra rows are not sent (their chunks would lie past kCombineChunks)
+      const int32_t k0 = static_cast<int32_t>(j / num_src) * per,
+                    n = min(s_end[from] - s_begin[from], p.max_tokens_per_rank);
       int pending_c = -1;
       uint32_t pending = 0;
       for (int32_t k = k0; k < k0 + per && k < n; ++k) {
