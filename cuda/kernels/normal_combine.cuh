@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
   reduce_items<Elem>(p, grid_items(g), pull, s_src, 0);
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
-  if (pull ? finish_and_signal_data(g, current_epoch(g), true) : last_items_block(g))
+  if (pull ? finish_and_signal_data(g, current_epoch(g)) : last_items_block(g))
     phase_stamp(g_normal_phases, kPhaseReduceLastBlockDone);
 }
 

@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
   }
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseSendBlockDone);
-  if (finish_and_signal_data(a.g, epoch, true)) phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
+  if (finish_and_signal_data(a.g, epoch)) phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -118,17 +118,13 @@ __device__ __forceinline__ bool last_items_block(const GroupCtx& g) {
   return true;
 }
 
-// End of a kernel that wrote rows into peers: the last block to finish tells every rank that all rows of this op
-// from this rank are in place (its threads signal the ranks in parallel). Called by every thread of every block.
-// With items: the kernel took next_item (last_items_block's reset). Returns true in the last block.
-__device__ __forceinline__ bool finish_and_signal_data(const GroupCtx& g, uint32_t epoch, bool items = false) {
-  __shared__ int32_t s_last;
+// End of a kernel that took its items from grid_items (next_item) and wrote rows into peers: the last block to
+// finish (last_items_block, which also puts kNextItem back to 0) tells every rank that all rows of this op from this
+// rank are in place (its threads signal the ranks in parallel). Called by every thread of every block. Returns true
+// in the last block.
+__device__ __forceinline__ bool finish_and_signal_data(const GroupCtx& g, uint32_t epoch) {
   // GPU-scope tickets: each signal is a release at system scope, cumulative over every block's stores and loads
-  if (items) {
-    if (!last_items_block(g)) return false;
-  } else if (!last_block<TicketScope::kGpu>(header_word(self_base(g), SignalHeader::kBlockDone), &s_last)) {
-    return false;
-  }
+  if (!last_items_block(g)) return false;
   for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
   return true;
 }
