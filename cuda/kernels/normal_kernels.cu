@@ -186,7 +186,8 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
   __syncthreads();
   // items: the tokens, then this rank's padding rows (a.pad)
   const int items = a.num_tokens + (a.pad.rows != nullptr ? a.capacity - s_received : 0);
-  for (int i = first_item(); i < items; i = static_cast<int>(next_item(a.g, items))) {
+  const ItemQueue q = grid_items(a.g);
+  for (int i = first_item(q); i < items; i = static_cast<int>(next_item(q, items))) {
     if (i >= a.num_tokens) {
       store_padding_row(a, s_received + (i - a.num_tokens));
       continue;

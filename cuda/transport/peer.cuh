@@ -106,8 +106,6 @@ __device__ __forceinline__ int64_t next_item(const ItemQueue& q, int64_t items) 
   if (lane_id() == 0) taken = atomicAdd(q.counter, 1u);
   return round + __shfl_sync(0xffffffffu, taken, 0);
 }
-__device__ __forceinline__ int first_item() { return global_warp(); }
-__device__ __forceinline__ int64_t next_item(const GroupCtx& g, int64_t items) { return next_item(grid_items(g), items); }
 
 // last_block (GPU-scope tickets) of a kernel that took next_item: true in the last block, which has put kNextItem
 // back to 0 (every warp's last add precedes its block's ticket). Called by every thread of every block.
