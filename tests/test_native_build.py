@@ -116,6 +116,12 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, nvshmem=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
     assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 56832
+    # The send area does not grow with R * T_max (its rows are tokens, received rows or forward slots): at R=32 the
+    # staging has max(C 10, R * T_max 128) = 128 rows, the send area C = 10: remote_meta align256(10 * 32) = 512,
+    # send_rows 10 * 512 = 5120, send_meta T_max 4 * R 32 * 32 = 4096, send_weights 256, expert_out align256(32 * 4)
+    wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
+    assert native.normal_buffer_bytes(**wide, nvshmem=True) == native.normal_buffer_bytes(**wide) + (
+        512 + 5120 + 4096 + 256 + 256)
 
 
 def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
@@ -131,11 +137,12 @@ def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
         assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=nvl) == flat
     assert native.normal_buffer_bytes(**four, nvshmem=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
     # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 12 slots (768 bytes of
-    # records per area)
+    # records per area), and the send area's rows grow from max(C 10, T_max 4) to the 12 forward slots (send_rows
+    # 12 * 512 = 6144 against 5120; send_weights 12 * 8 bytes stay within one 256-byte block)
     wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
     wide_flat = native.normal_buffer_bytes(**wide, nvshmem=True)
     assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=16) == wide_flat
-    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768
+    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768 + 1024
     with pytest.raises(ValueError, match="nvl_domain"):
         native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=-1)
 

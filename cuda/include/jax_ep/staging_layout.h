@@ -50,12 +50,12 @@ struct BufferLayout {
   // (cached dispatch fills the weights only). The copy-out reads the record for rows of remote sources.
   int64_t meta_k;          // K of the record layout (num_topk)
   int64_t meta_stride;     // bytes per record: align16(4 * (2K + 1 + ceil(H/128)))
-  int64_t remote_meta;     // records [rows]
+  int64_t remote_meta;     // records [capacity]
   // The sources of this rank's puts, which must be symmetric memory; dispatch: by token and destination, combine:
   // by received row.
-  int64_t send_rows;       // rows x payload_stride bytes
+  int64_t send_rows;       // max(capacity, T_max, (nodes - 1) * T_max) x payload_stride bytes
   int64_t send_meta;       // records [T_max][R] (ids and weights are per destination)
-  int64_t send_weights;    // f32 [rows][K]: the combine's weights
+  int64_t send_weights;    // f32 [as send_rows][K]: the combine's weights
   int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
   // Hierarchical dispatch (forward_nodes() > 0: nodes of nvl_domain >= 2 ranks; 0 otherwise). A token crosses to
   // another node once, to the rank of that node with this rank's local index (the forwarder), which stores it over
@@ -132,15 +132,21 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.src_idx = b.topk_weights + align_up(b.rows * 4 * num_topk);
   b.total = b.src_idx + align_up(b.rows * 4);
   if (nvshmem) {
+    b.fwd_nodes = forward_nodes(num_ranks, nvl_domain);
+    // The send area's rows (send_rows, send_weights) are indexed by token (dispatch: T_max), by received row (combine:
+    // capacity) and by forward slot (node-first combine's partials: (nodes - 1) * T_max); remote_meta by received row.
+    // None is indexed by combine slot, so none needs R * T_max rows.
+    const int64_t fwd_slots = b.fwd_nodes > 0 ? (b.fwd_nodes - 1) * max_tokens_per_rank : 0;
+    int64_t send_count = capacity > max_tokens_per_rank ? capacity : max_tokens_per_rank;
+    send_count = fwd_slots > send_count ? fwd_slots : send_count;
     b.meta_k = num_topk;
     b.meta_stride = align_up(4 * (2 * num_topk + 1 + scale_cols), 16);
     b.remote_meta = b.total;
-    b.send_rows = b.remote_meta + align_up(b.rows * b.meta_stride);
-    b.send_meta = b.send_rows + align_up(b.rows * b.payload_stride);
+    b.send_rows = b.remote_meta + align_up(capacity * b.meta_stride);
+    b.send_meta = b.send_rows + align_up(send_count * b.payload_stride);
     b.send_weights = b.send_meta + align_up(max_tokens_per_rank * num_ranks * b.meta_stride);
-    b.expert_out = b.send_weights + align_up(b.rows * 4 * num_topk);
+    b.expert_out = b.send_weights + align_up(send_count * 4 * num_topk);
     b.total = b.expert_out + align_up(num_experts * 4);
-    b.fwd_nodes = forward_nodes(num_ranks, nvl_domain);
     if (b.fwd_nodes > 0) {
       const int64_t slots = (b.fwd_nodes - 1) * max_tokens_per_rank;  // forward_slot: the other nodes only
       b.fwd_slots = max_tokens_per_rank;
