@@ -126,10 +126,11 @@ __device__ __forceinline__ void local_entry(const SendArgs& a, int t, int k, int
                  a.g.num_ranks, id, w);
 }
 
-// One warp: a row of n16 16-byte vectors from `src` into dst_of(d) for every d < kSlots with rows[d] >= 0, each
-// vector loaded once (kSendUnroll in flight per lane) and stored to every destination.
+// One warp: a row of n16 16-byte vectors from `src` into dst_of(d) for every d < kSlots with rows[d] >= 0 except
+// d == skip, each vector loaded once (kSendUnroll in flight per lane) and stored to every destination.
 template <int kSlots, class DstOf>
-__device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int32_t* rows, DstOf dst_of) {
+__device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int32_t* rows, DstOf dst_of,
+                                            int skip = -1) {
   const int lane = lane_id();
   for (int base = 0; base < n16; base += 32 * kSendUnroll) {
     int4 v[kSendUnroll];
@@ -140,7 +141,7 @@ __device__ __forceinline__ void fan_out_row(const int4* src, int n16, const int3
     }
 #pragma unroll
     for (int d = 0; d < kSlots; ++d) {
-      if (rows[d] < 0) continue;
+      if (rows[d] < 0 || d == skip) continue;
       int4* dst = dst_of(d);
 #pragma unroll
       for (int j = 0; j < kSendUnroll; ++j) {
@@ -184,22 +185,24 @@ __device__ __forceinline__ RowDest row_dest(const GroupCtx& g, int q, const Recv
 // rows[d] >= 0: its staging through g.peers.base[first + d], or with targets != nullptr (direct receive, first = 0)
 // the outputs targets[d] names where it names any. One warp, 16-byte vectors, each loaded once and stored to every
 // destination. The caller clears rows[d] of ranks it reaches otherwise (puts). rows: kSlots entries (token_rows of
-// the same first).
+// the same first). With a.self_rows_from_inputs this rank's own row gets no payload or scales (the copy-out reads
+// them from the inputs), only the rest.
 template <int kSlots>
 __device__ __forceinline__ void store_token(const SendArgs& a, int t, int first, const int32_t* rows,
                                             const RecvTargets* targets = nullptr) {
   const GroupCtx& g = a.g;
   const int lane = lane_id();
   auto dest = [&](int d) { return row_dest(g, first + d, targets != nullptr ? targets + d : nullptr); };
+  const int skip = a.self_rows_from_inputs ? g.rank - first : -1;  // this rank's slot: no payload, no scales
   fan_out_row<kSlots>(reinterpret_cast<const int4*>(a.rows + static_cast<int64_t>(t) * a.row_bytes), a.row_bytes / 16,
                       rows, [&](int d) {
                         return reinterpret_cast<int4*>(dest(d).rows + static_cast<int64_t>(rows[d]) * a.row_bytes);
-                      });
+                      }, skip);
   for (int j = lane; j < a.scale_cols; j += 32) {
     const float s = __ldg(a.scales + static_cast<int64_t>(t) * a.scale_cols + j);
 #pragma unroll
     for (int d = 0; d < kSlots; ++d)
-      if (rows[d] >= 0) dest(d).scales[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
+      if (rows[d] >= 0 && d != skip) dest(d).scales[static_cast<int64_t>(rows[d]) * a.scale_cols + j] = s;
   }
   if (lane < a.num_weights) {
     const int k = lane, K = a.num_weights;

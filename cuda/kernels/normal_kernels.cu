@@ -217,6 +217,11 @@ struct RecvArgs {
   int32_t num_weights;
   int32_t* out_src_idx;             // [C] or nullptr
   int32_t* out_src_rank;            // [C] or nullptr
+  // SendArgs::self_rows_from_inputs: this rank's inputs [self_tokens, row_bytes] and [self_tokens, scale_cols]; a
+  // row from this rank is input row src_idx (from staging, written by this rank's send). nullptr: staging only.
+  const char* self_rows;
+  const float* self_scales;
+  int32_t self_tokens;
 };
 
 __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
@@ -240,6 +245,13 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
     const bool meta = valid && g.remote.test(s);
     const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
     const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
+    const float* scale_src = reinterpret_cast<const float*>(self + B.scales) + static_cast<int64_t>(row) * a.scale_cols;
+    if (valid && s == g.rank && a.self_rows != nullptr) {  // this rank's own row: from the inputs
+      // its source index came from this rank's send kernel (stream order); clamped all the same
+      const int32_t t = min(max(__ldcg(reinterpret_cast<const int32_t*>(self + B.src_idx) + row), 0), a.self_tokens - 1);
+      src = reinterpret_cast<const int4*>(a.self_rows + static_cast<int64_t>(t) * a.row_bytes);
+      if (a.self_scales != nullptr) scale_src = a.self_scales + static_cast<int64_t>(t) * a.scale_cols;
+    }
     int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
     for (int base = 0; base < n16; base += 32 * kUnroll) {
       int4 v[kUnroll];
@@ -256,9 +268,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
       }
     }
     if (a.out_scales != nullptr) {
-      const float* s_src = meta ? reinterpret_cast<const float*>(rec + 4 * (2 * B.meta_k + 1))
-                                : reinterpret_cast<const float*>(self + B.scales) +
-                                      static_cast<int64_t>(row) * a.scale_cols;
+      const float* s_src = meta ? reinterpret_cast<const float*>(rec + 4 * (2 * B.meta_k + 1)) : scale_src;
       for (int j = lane; j < a.scale_cols; j += 32)
         a.out_scales[static_cast<int64_t>(row) * a.scale_cols + j] = valid ? __ldcg(s_src + j) : 0.0f;
     }
@@ -448,9 +458,15 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   r.num_weights = p.num_topk;
   r.out_src_idx = p.recv_src_idx;
   r.out_src_rank = p.recv_src_rank;
-  if (ops == nullptr && p.direct_receive)
+  if (ops == nullptr && p.direct_receive) {
     s.pad = {r.out_rows,   r.out_scales,   r.out_topk_idx,      r.out_weights,
              r.out_src_idx, r.out_src_rank, r.recv_rank_counts};
+  } else if (ops == nullptr && p.num_tokens > 0) {
+    s.self_rows_from_inputs = true;
+    r.self_rows = s.rows;
+    r.self_scales = s.scales;
+    r.self_tokens = p.num_tokens;
+  }
   return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
 }
 

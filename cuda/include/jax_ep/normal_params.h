@@ -137,6 +137,10 @@ struct SendArgs {
   int32_t* chunked_send_pos;
   int32_t chunk_tokens;            // notify_chunk_tokens(num_tokens) with chunked_send_pos
   bool direct;                     // dispatch (NVLink kernels): destinations' RecvTargets are published this op
+  // Dispatch through staging on the NVLink path: the copy-out reads this rank's own rows (payload and scales) from
+  // the inputs (RecvArgs::self_rows), so the send stores only their top-k ids, weights and source index into its own
+  // staging: the send's SMs store (R-1)/R of the bytes instead of all of them.
+  bool self_rows_from_inputs;
   // Dispatch with direct receive on the NVLink path: this rank's own outputs, whose padding rows
   // [min(received, capacity), capacity) the send kernel writes as work items after the tokens (so no copy-out pass
   // runs); rows nullptr: the copy-out kernel writes the padding.
