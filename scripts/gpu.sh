@@ -48,6 +48,9 @@ steps:
   cpu-suite          the CPU suite's gradient / vjp / program / error tests, on the GPUs
   signal-cost        scripts/signal_cost.cu on GPUs 0 and 1: the cost of a flag per way of ordering the data before it
   rank-loops         scripts/rank_loops.cu on GPUs 0 and 1: what each loop over a group's ranks costs, R = 8 to 256
+  deepep             DeepEP V1's own tests on DEEPEP_N GPUs (the anchor on the same machine and day): a DeepEP source tree
+                     in DEEPEP (e.g. `git archive 567632d | tar -x -C .gpu_tmp/deepep` from github:deepseek-ai/DeepEP,
+                     carried), built in place, then tests/test_intranode.py and tests/test_low_latency.py
   peer-bandwidth     scripts/peer_bandwidth.cu on every GPU: NVLink GB/s per GPU when all send to (or read from) all at
                      once, per copy method (SM stores or loads, TMA bulk copies) and blocks B = 1 to 132
 variables (default):
@@ -67,6 +70,7 @@ variables (default):
   REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
   OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)  CHAIN_ARGS (--ll-tokens 1,128 --only
      "jax_ep LL dispatch fp8,jax_ep LL combine"; e.g. --mode normal --tokens 256,4096 --only "jax_ep dispatch bf16")
+  DEEPEP (.gpu_tmp/deepep)  DEEPEP_N (4)
   SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  SHARED_RANKS (16 32; 64 on 4 GPUs)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
 e.g.  scripts/gpu.sh check;  N=4 SAN_PROGRAMS=normal JAX_EP_SANITIZE_NVL=2 scripts/gpu.sh sanitize
 EOF
@@ -332,6 +336,13 @@ step_rank_loops() { local DIGEST='^\| [0-9]|rank_loops:'
 step_peer_bandwidth() { local DIGEST='^\| [a-z]|peer_bandwidth:'
   run "peer bandwidth" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -Icuda/include -o \
     '$SCRATCH/peer_bandwidth' scripts/peer_bandwidth.cu && '$SCRATCH/peer_bandwidth'"; }
+step_deepep() {  # DeepEP's build needs CCCL's headers on the include path (CUDA 13 moved them)
+  local dir=${DEEPEP:-$ROOT/.gpu_tmp/deepep} n=${DEEPEP_N:-4} DIGEST='Best|avg_t|send/recv'
+  [[ $dir == /* ]] || dir=$ROOT/$dir
+  run "deepep build" 420 env -C "$dir" CPATH=/usr/local/cuda/include/cccl "$PY" setup.py build_ext --inplace || return
+  run "deepep intranode" 300 env -C "$dir" PYTHONPATH="$dir" "$PY" tests/test_intranode.py --num-processes "$n"
+  run "deepep low latency" 200 env -C "$dir" PYTHONPATH="$dir" "$PY" tests/test_low_latency.py --num-processes "$n"
+}
 do_step() {  # STEP: its commands, its log, its status line
   local s=$1 t0=$SECONDS; STEP_RC=0; STEP_LOG=$LOG/$s.log
   [ "$s" = build ] && BUILT=1  # once per call, also when it fails
@@ -347,7 +358,7 @@ for s in "$@"; do
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
     low-latency-ratio|low-latency-ab|chain-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite) STEPS+=("$s") ;;
-    signal-cost|rank-loops|peer-bandwidth) STEPS+=("$s") ;;
+    signal-cost|rank-loops|peer-bandwidth|deepep) STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac
 done
