@@ -2,8 +2,9 @@
 // (peer pointers from either process model, cuda/transport/peer.cuh).
 //
 // Dispatch:  layout + count exchange -> direct-addressed row writes -> per-destination completion signal -> local
-//            copy-out of staging into XLA's outputs, or with direct receive (one process, RecvTargets) row writes
-//            straight into the destination's outputs, the padding rows written by the send kernel after its tokens.
+//            copy-out of staging into XLA's outputs (this rank's own rows from its inputs), or with direct receive
+//            (one process, RecvTargets) row writes straight into the destination's outputs, the padding rows written
+//            by the send kernel after its tokens.
 // Combine:   publish + barrier -> push mode: one kernel, rows back into the sources' staging (counted per chunk
 //            of rows) while other blocks of it reduce from staging each token whose rows are in;
 //            pull mode (one process, every rank published its CombineSource): reduce reading the peers' inputs,
