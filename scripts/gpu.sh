@@ -70,7 +70,7 @@ variables (default):
   REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
   OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)  CHAIN_ARGS (--ll-tokens 1,128 --only
      "jax_ep LL dispatch fp8,jax_ep LL combine"; e.g. --mode normal --tokens 256,4096 --only "jax_ep dispatch bf16")
-  DEEPEP (.gpu_tmp/deepep)  DEEPEP_N (4)
+  DEEPEP (.gpu_tmp/deepep)  DEEPEP_N (every GPU)
   SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  SHARED_RANKS (16 32; 64 on 4 GPUs)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
 e.g.  scripts/gpu.sh check;  N=4 SAN_PROGRAMS=normal JAX_EP_SANITIZE_NVL=2 scripts/gpu.sh sanitize
 EOF
@@ -337,9 +337,11 @@ step_peer_bandwidth() { local DIGEST='^\| [a-z]|peer_bandwidth:'
   run "peer bandwidth" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -Icuda/include -o \
     '$SCRATCH/peer_bandwidth' scripts/peer_bandwidth.cu && '$SCRATCH/peer_bandwidth'"; }
 step_deepep() {  # DeepEP's build needs CCCL's headers on the include path (CUDA 13 moved them)
-  local dir=${DEEPEP:-$ROOT/.gpu_tmp/deepep} n=${DEEPEP_N:-4} DIGEST='Best|avg_t|send/recv'
+  local dir=${DEEPEP:-$ROOT/.gpu_tmp/deepep} n=${DEEPEP_N:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+  local DIGEST='Best|avg_t|send/recv'
   [[ $dir == /* ]] || dir=$ROOT/$dir
-  run "deepep build" 420 env -C "$dir" CPATH=/usr/local/cuda/include/cccl "$PY" setup.py build_ext --inplace || return
+  run "deepep build" 420 env -C "$dir" CPATH=/usr/local/cuda/include/cccl MAX_JOBS=${MAX_JOBS:-8} "$PY" setup.py \
+    build_ext --inplace || return
   run "deepep intranode" 300 env -C "$dir" PYTHONPATH="$dir" "$PY" tests/test_intranode.py --num-processes "$n"
   run "deepep low latency" 200 env -C "$dir" PYTHONPATH="$dir" "$PY" tests/test_low_latency.py --num-processes "$n"
 }
