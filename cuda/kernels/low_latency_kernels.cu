@@ -3,9 +3,9 @@
 //
 //   dispatch send   low_latency_send.cuh (one template for both modes): one block per token, its row read (fp8: quantized)
 //                   once and written once per distinct expert into the owner at slot [l][me][position]; the last
-//                   block publishes every expert's count and (l, me) flag. No count exchange, no barrier: positions
-//                   are known locally, so the send never waits for a peer (except the rare "peer still reads op
-//                   n-2" check).
+//                   block publishes every expert's (l, me) flag with its count inside. No count exchange, no
+//                   barrier: positions are known locally, so the send never waits for a peer (except the rare "peer
+//                   still reads op n-2" check).
 //   dispatch recv   blocks (l, part): wait for the R flags of expert l, pack rows in (source, token) order into the
 //                   XLA outputs, then the last block tells every peer "I consumed epoch n".
 //   combine send    the rows of all local experts as one list over a one-wave grid: every valid row back to its
@@ -190,9 +190,12 @@ Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams&
 
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (p.per_rank) return per_rank::launch_combine_send(p, stream);
-  // (row, segment) items of R * T_max rows per local expert at most
-  const int64_t items = static_cast<int64_t>(p.c.num_local) * p.c.g.num_ranks * p.c.max_tokens *
-                        ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes);
+  // (row, segment) items: the rows of every local expert, at most R * T_max each, and at most R * T * min(K, L) in
+  // all (each source's T tokens reach at most min(K, L) experts here; every rank calls with the same T). The grid
+  // only sets the parallelism (the body strides over the items), so a small call launches few blocks.
+  const int64_t L = p.c.num_local, R = p.c.g.num_ranks, nseg = (2 * p.c.hidden + kSegBytes - 1) / kSegBytes;
+  const int64_t rows = std::min(L * R * p.c.max_tokens, R * p.num_tokens * std::min<int64_t>(p.num_topk, L));
+  const int64_t items = std::max<int64_t>(rows, 1) * nseg;
   low_latency_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
