@@ -84,7 +84,8 @@ def test_state_types_are_registrable_pairs():
 #   total = 50688 + 5120 + 1024 = 56832
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
 #   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(144 + 260) = 416
-#   flags: c_flags 0, d_flags 256, d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096), rows at 4864
+#   flags: c_flags 0, d_flags 256 (u64 epoch words), d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096),
+#   rows at 4864
 #   rows end = max(4864 + E*T_max*288 = 14080, 4864 + E*T_max*256 = 13056, 4864 + R*T_max*416 = 8192) = 14080
 #   weights at 14080: R*T_max*16 f32 = 512 bytes -> one half = align256(14592) = 14592
 #   total = LL_FIXED (scratch + RDMA words) + 2 * 14592
@@ -153,15 +154,17 @@ LL_FIXED = 5120 + 4096 + 16384
 
 
 def test_low_latency_buffer_bytes_by_hand():
-    # halves of 14592: flags 3 * 256, rank words 4096, rows 8 * 4 * 288 = 9216 (> combine 8 * 4 * 256), weights 512
+    # halves of 14592: flags 3 * 256 (c_flags, d_flags of u64, d_counts), rank words 4096, rows 8 * 4 * 288 = 9216
+    # (> combine 8 * 4 * 256), weights 512
     assert native.low_latency_buffer_bytes(**SMALL_LL) == LL_FIXED + 2 * 14592
     # staged (NVSHMEM puts): + send slots per half, the larger of T_max messages (4 * 416, per_rank's stride) and
     # the combine rows [E][T_max] (8 * 4 * 256 = 8192)
     assert native.low_latency_buffer_bytes(**SMALL_LL, staged=True) == LL_FIXED + 2 * (14592 + 8192)
-    # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags 3 * align256(1152) = 3840,
-    # rank words 4096; rows end = 7936 + 288*128*14576 = 537337600 (> the combine rows' and the per_rank messages');
-    # weights 4*128*16*4 = 32768 -> half = 537370368
-    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537370368
+    # H=7168 T_max=128 R=4 E=288: msg_stride = align16(16 + 14336 + 224) = 14576; flags: c_flags align256(4 * 288)
+    # = 1280, d_flags (u64 epoch words) align256(8 * 288) = 2304, d_counts 1280; rank words 4096; rows end = 8960 +
+    # 288*128*14576 = 537338624 (> the combine rows' and the per_rank messages'); weights 4*128*16*4 = 32768 ->
+    # half = 537371392
+    assert native.low_latency_buffer_bytes(7168, 128, 4, 288) == LL_FIXED + 2 * 537371392
 
 
 def test_staging_plan_by_hand():

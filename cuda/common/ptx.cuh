@@ -22,6 +22,10 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -67,22 +71,46 @@ __device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_
 static __device__ unsigned int timeout_reported = 0;
 __device__ __forceinline__ bool first_timeout_report() { return atomicExch(&timeout_reported, 1u) == 0u; }
 
-// Spins until *flag has reached `target` (acquire, system scope). After timeout_ns it prints who waited for whom
-// (once per module) and traps: a peer that never arrives ends the program with a message instead of hanging it.
-__device__ __forceinline__ void wait_reached(const uint32_t* flag, uint32_t target, uint64_t timeout_ns,
-                                             const char* what, int rank, int peer, uint32_t backoff_ns = 0) {
-  if (reached(ld_acquire_sys(flag), target)) return;
+// Spins until epoch_of(load()) has reached `target` (load: an acquire at system scope) and returns the value that did.
+// After timeout_ns it prints who waited for whom (once per module) and traps: a peer that never arrives ends the
+// program with a message instead of hanging it.
+template <class Load, class EpochOf>
+__device__ __forceinline__ auto wait_value_reached(Load load, EpochOf epoch_of, uint32_t target, uint64_t timeout_ns,
+                                                   const char* what, int rank, int peer, uint32_t backoff_ns = 0) {
+  auto v = load();
+  if (reached(epoch_of(v), target)) return v;
   const uint64_t start = global_timer_ns();
-  while (!reached(ld_acquire_sys(flag), target)) {
+  while (!reached(epoch_of(v = load()), target)) {
     if (backoff_ns != 0) __nanosleep(backoff_ns);
     if (global_timer_ns() - start > timeout_ns) {
       if (first_timeout_report())
         printf("jax_ep: timeout after %llu ns in %s: rank %d waited for rank %d (epoch %u, flag %u); ranks are "
                "probably running different programs. Trapping.\n",
-               static_cast<unsigned long long>(timeout_ns), what, rank, peer, target, ld_acquire_sys(flag));
+               static_cast<unsigned long long>(timeout_ns), what, rank, peer, target, epoch_of(v));
       __trap();
     }
   }
+  return v;
+}
+
+// Spins until *flag (an epoch) has reached `target`; as wait_value_reached.
+__device__ __forceinline__ void wait_reached(const uint32_t* flag, uint32_t target, uint64_t timeout_ns,
+                                             const char* what, int rank, int peer, uint32_t backoff_ns = 0) {
+  wait_value_reached([flag] { return ld_acquire_sys(flag); }, [](uint32_t v) { return v; }, target, timeout_ns, what,
+                     rank, peer, backoff_ns);
+}
+
+// An epoch word: the epoch in the high half, a 32-bit value written with it in the low half, one release store.
+__device__ __forceinline__ uint64_t epoch_word(uint32_t epoch, uint32_t value) {
+  return (static_cast<uint64_t>(epoch) << 32) | value;
+}
+
+// Spins until the epoch of *word has reached `target`; returns the word (its value: static_cast<uint32_t>).
+__device__ __forceinline__ uint64_t wait_word_reached(const uint64_t* word, uint32_t target, uint64_t timeout_ns,
+                                                      const char* what, int rank, int peer) {
+  return wait_value_reached([word] { return ld_acquire_sys_u64(word); },
+                            [](uint64_t v) { return static_cast<uint32_t>(v >> 32); }, target, timeout_ns, what, rank,
+                            peer);
 }
 
 }  // namespace jax_ep

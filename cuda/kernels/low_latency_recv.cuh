@@ -22,14 +22,13 @@
 
 namespace jax_ep::low_latency {
 
-// The NVLink path: single-writer flags holding the epoch (staging_layout.h), counts next to them.
+// The NVLink path: single-writer flags holding the epoch (staging_layout.h); dispatch's carry the count with it.
 struct PeerWait {
   __device__ __forceinline__ int32_t source_count(const Ctx& c, const char* half, uint32_t epoch, int l,
                                                   int s) const {
-    const int R = c.g.num_ranks;
-    wait_reached(header_word(const_cast<char*>(half), c.low_latency.d_flags + 4 * (l * R + s)), epoch, c.g.timeout_ns,
-                 "low-latency dispatch receive", c.g.rank, s);
-    return __ldcg(reinterpret_cast<const int32_t*>(half + c.low_latency.d_counts) + l * R + s);
+    const uint64_t* word = reinterpret_cast<const uint64_t*>(half + c.low_latency.d_flags) + l * c.g.num_ranks + s;
+    return static_cast<int32_t>(static_cast<uint32_t>(
+        wait_word_reached(word, epoch, c.g.timeout_ns, "low-latency dispatch receive", c.g.rank, s)));
   }
   __device__ __forceinline__ void expert_rows(const Ctx& c, char* half, uint32_t epoch, int e) const {
     wait_reached(header_word(half, c.low_latency.c_flags + 4 * e), epoch, c.g.timeout_ns, "low-latency combine receive",

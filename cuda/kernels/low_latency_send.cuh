@@ -4,16 +4,16 @@
 // sent to each (token order: the order the receiver packs), reads the row ONCE (fp8: quantizes it once into shared
 // memory) and writes one message per destination. Counts are summed in this rank's LL scratch words (atomics); the
 // last block to finish publishes every count and flag (its threads in parallel) and resets the counters.
-//   per_expert  message at the owner's slot [l][me][position], header {token}; count/flag d_counts/d_flags[l][me]
+//   per_expert  message at the owner's slot [l][me][position], header {token}; count and epoch in d_flags[l][me]
 //   per_rank    message at rank d's slot [me][position], header {token, local expert and row position of every
 //               top-k slot (-1 elsewhere)}; counts r_counts[me] (messages) and d_counts[l][me] (rows of each local
 //               expert l), then the flag r_flags[me]: the receiver places every row without scanning the messages
 // NOTE (why token-major): expert-major blocks re-read and re-quantize a token's row once per expert and need E
 // blocks (three waves at E=288); here the work is T rows, one block per token, and the quantization runs once.
 // NOTE (ordering of the publish): every block takes a GPU-scope acq_rel ticket after its peer stores
-// (common/last_block.cuh); the last block acquired all of them, then each thread writes counts and releases flags
-// (st.release.sys: cumulative over every block's stores; per_rank: the counts of every destination, __syncthreads,
-// then each destination's flag).
+// (common/last_block.cuh); the last block acquired all of them, then each thread releases destinations' flags
+// (st.release.sys: cumulative over every block's stores; per_expert: each flag is an epoch word carrying its count;
+// per_rank: the counts of every destination, __syncthreads, then each destination's flag).
 #pragma once
 
 #include "kernels/low_latency_device.cuh"
@@ -119,10 +119,9 @@ __device__ __forceinline__ void publish_counts(const DispatchSendParams& p, uint
     }
   } else {
     for (int dest = threadIdx.x; dest < c.num_experts; dest += blockDim.x) {
-      char* dst_half = peer_base(g, dest / L) + half;
-      const int32_t n = static_cast<int32_t>(atomicExch(counts + dest, 0u));
-      *reinterpret_cast<volatile int32_t*>(dst_half + c.low_latency.d_counts + 4 * ((dest % L) * R + me)) = n;
-      st_release_sys(header_word(dst_half, c.low_latency.d_flags + 4 * ((dest % L) * R + me)), epoch);  // 0 rows too
+      uint64_t* word = reinterpret_cast<uint64_t*>(peer_base(g, dest / L) + half + c.low_latency.d_flags) +
+                       (dest % L) * R + me;
+      st_release_sys_u64(word, epoch_word(epoch, atomicExch(counts + dest, 0u)));  // 0 rows too
     }
   }
 }

@@ -178,9 +178,11 @@ inline int64_t normal_buffer_bytes(int64_t hidden, int64_t num_topk, int64_t max
 // their receive at once: the state/token protocol (low_latency_params.h) refuses a third. One half:
 //
 //   c_flags  u32[E]          combine: epoch at which the owner of expert e finished writing its rows here
-//   d_flags  u32[L][R]       dispatch: epoch at which source rank s finished writing its rows of local expert l
-//   d_counts i32[L][R]       dispatch: rows source s wrote for local expert l (valid once d_flags[l][s] says so;
-//                            per_rank mode: once r_flags[s] says so)
+//   d_flags  u64[L][R]       dispatch (per_expert): source rank s's epoch word for local expert l (ptx.cuh
+//                            epoch_word): the epoch at which s finished writing its rows of l, and how many rows, in
+//                            one release store
+//   d_counts i32[L][R]       dispatch (per_rank): rows of local expert l in source s's messages (valid once
+//                            r_flags[s] says so)
 //   rows                     dispatch: messages [L][R][T_max], msg_stride bytes each:
 //                              [i32 source token, 12 bytes pad | payload (H fp8 or 2H bf16) | fp8: S f32 scales]
 //                            combine:  rows [E][T_max] of 2H bytes (bf16), row (e, t) = expert e's output for t
@@ -251,7 +253,7 @@ JAX_EP_HD LowLatencyLayout make_low_latency_layout(int64_t hidden, int64_t max_t
   const int64_t E = num_experts;
   b.c_flags = 0;
   b.d_flags = align_up(4 * E);
-  b.d_counts = b.d_flags + align_up(4 * E);
+  b.d_counts = b.d_flags + align_up(8 * E);
   b.rank_words = b.d_counts + align_up(4 * E);
   b.rows = b.rank_words + align_up(4 * 4 * kMaxGroupRanks);
   b.msg_stride = low_latency_msg_stride(hidden);
