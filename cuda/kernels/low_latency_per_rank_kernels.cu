@@ -177,10 +177,11 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
   }
 }
 
-// Warp items (message, segment) over the whole grid: the warp's lanes < K read the message's rows and weights (each
-// lane that has a row first waits for source s's weights: w_flags[s]), then every lane sums its 4 vectors of the
-// segment (two passes of 2) over the rows in k order (fmaf in f32, the SPEC's order) and stores the bf16 partial
-// at rank s.
+// Warp items (message, segment) over the whole grid, for the message slots [s][0, T) (every rank calls with the same
+// T, so source s sent at most T messages, packed from position 0): the warp's lanes < K read the message's rows and
+// weights (each lane that has a row first waits for source s's weights: w_flags[s]), then every lane sums its 4
+// vectors of the segment (two passes of 2) over the rows in k order (fmaf in f32, the SPEC's order) and stores the
+// bf16 partial at rank s.
 __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
@@ -190,8 +191,9 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   char* self_half = self_base(g) + half;
   const int64_t num_rows = static_cast<int64_t>(L) * R * Tm;
   const char* expert_out = static_cast<const char*>(p.expert_out);
-  for (int item = global_warp(); item < R * Tm * nseg; item += num_global_warps()) {
-    const int m = item / nseg, seg = item % nseg, off = seg * kSegBytes, s = m / Tm;
+  const int T = min(p.num_tokens, Tm);
+  for (int item = global_warp(); item < R * T * nseg; item += num_global_warps()) {
+    const int sp = item / nseg, seg = item % nseg, off = seg * kSegBytes, s = sp / T, m = s * Tm + sp % T;
     const int32_t t = __ldg(p.msg_token + m);
     if (t < 0 || t >= Tm) continue;  // no message in this slot (or a corrupted handle: never out of bounds)
     int64_t row = -1;
@@ -354,9 +356,10 @@ Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   low_latency_per_rank_combine_push_kernel<<<1, kCombineRecvThreads, 0, stream>>>(p);
   JAX_EP_RETURN_IF_ERROR(launched("low-latency combine weight push (per_rank)"));
-  // (message, segment) items of R * T_max messages at most
-  const int64_t items = static_cast<int64_t>(p.c.g.num_ranks) * p.c.max_tokens *
-                        ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes);
+  // (message, segment) items: R sources' messages at positions [0, T) (combine_send_body)
+  const int64_t items = std::max<int64_t>(1, static_cast<int64_t>(p.c.g.num_ranks) *
+                                                 std::min(p.num_tokens, p.c.max_tokens) *
+                                                 ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes));
   low_latency_per_rank_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send (per_rank)");
 }
