@@ -168,7 +168,11 @@ __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int 
       if (kExpertPositions) s_epart[warp][k] = 0;
     }
   }
-  for (int tp0 = 0; tp0 < t; tp0 += blockDim.x) {  // earlier tokens, one per thread (warp-uniform trip count)
+  // Earlier tokens, one per thread. The loop's trip count is block-uniform; a warp none of whose lanes has an earlier
+  // token skips the pass (its s_part row stays 0), and the slot loops stop at K (warp-uniform), so the cost follows
+  // the tokens and K actually present rather than blockDim.x and kMaxTopk.
+  for (int tp0 = 0; tp0 < t; tp0 += blockDim.x) {
+    if (tp0 + warp * 32 >= t) continue;  // warp-uniform; no barrier inside the loop
     const int tp = tp0 + tid;
     int32_t id[kMaxTopk];  // the earlier token's ids as given (-1 past K and for threads without a token)
 #pragma unroll
@@ -180,18 +184,25 @@ __device__ __forceinline__ void token_slots(const int32_t* topk_idx, int t, int 
     // >= E, is in no valid destination's range and equals no valid expert).
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
+      if (k >= K) break;  // warp-uniform
       const int32_t md = mine(k);
       const int32_t lo = md >= 0 ? md * div : 1, hi = md >= 0 ? lo + div : 0;  // empty range for no destination
       bool hit = false;
 #pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) hit |= id[j] >= lo && id[j] < hi;
+      for (int j = 0; j < kMaxTopk; ++j) {
+        if (j >= K) break;  // id[j] is -1 from K on
+        hit |= id[j] >= lo && id[j] < hi;
+      }
       const int c = __popc(__ballot_sync(0xffffffffu, hit));
       int ce = 0;
       if (kExpertPositions) {
         const int32_t me_k = mine_e(k);
         bool ehit = false;
 #pragma unroll
-        for (int j = 0; j < kMaxTopk; ++j) ehit |= me_k >= 0 && id[j] == me_k;
+        for (int j = 0; j < kMaxTopk; ++j) {
+          if (j >= K) break;
+          ehit |= me_k >= 0 && id[j] == me_k;
+        }
         ce = __popc(__ballot_sync(0xffffffffu, ehit));
       }
       if (lane == 0) {
