@@ -67,6 +67,15 @@ def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     assert gap_report(ops)[2] == 520
 
 
+def test_period_of_per_rank_low_latency_combine_counts_push_and_send_as_one_call():
+    # weight push (4 us), send (23 us), receive (11 us) per call, 40 us apart: the push is not a start of its own
+    call = [("low_latency_per_rank_combine_push_kernel", 0, 4), ("low_latency_per_rank_combine_send_kernel", 5, 23),
+            ("low_latency_per_rank_combine_recv_kernel", 29, 11)]
+    ops = [_ev(f"void jax_ep::low_latency::per_rank::(anonymous namespace)::{n}(P)", ts + 40 * i, d)
+           for i in range(4) for n, ts, d in call]
+    assert gap_report(ops)[2] == 40
+
+
 def test_sweeps_are_low_latency_unless_the_mode_is_given():
     argv = ["--tokens", "64", "--ll-tokens", "1,8"]
     assert [s[:2] for s in sweeps_of(parse_args(argv, False), argv)] == [("low_latency", 1), ("low_latency", 8)]
