@@ -32,13 +32,13 @@ def test_staging_plan_is_largest_normal_then_largest_low_latency():
     # EP4 byte counts of the two regions (written out: the 16384-byte signal header + counts + 4 x 64-byte receive
     # targets, with room for 8192 expert counts, + the notify scratch (4 x 32 x (4 + 256) bytes), 16384 staging rows
     # of 4 * 7168 bytes + scales, topk, ...; 288 experts x 128 slots x 14576-byte
-    # messages, the per_rank words
-    # (u32 [4][256]) and the weights area [R=4][128][16] f32, two halves + scratch (4 * (1024 experts + 256 ranks)) +
-    # RDMA words (4096 + 2 * 8192))
+    # messages, the flags (c_flags u32 [288] and d_counts u32 [288]: 1280 bytes each, 256-aligned; d_flags u64 [288]:
+    # 2304), the per_rank words (u32 [4][256]) and the weights area [R=4][128][16] f32, two halves + scratch
+    # (4 * (1024 experts + 256 ranks)) + RDMA words (4096 + 2 * 8192))
     normal_4096 = m.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert normal_4096 == 474629120
     ll_128 = m.low_latency_buffer_bytes(7168, 128, 4, 288)
-    assert ll_128 == 5120 + 4096 + 16384 + 2 * (3 * 1280 + 4096 + 288 * 128 * 14576 + 4 * 128 * 16 * 4)
+    assert ll_128 == 5120 + 4096 + 16384 + 2 * (2 * 1280 + 2304 + 4096 + 288 * 128 * 14576 + 4 * 128 * 16 * 4)
     assert runtime.buffer_size_hint(NORMAL, 4).low_latency_bytes == 0
     assert runtime.buffer_size_hint(LL, 4).low_latency_bytes == ll_128
     total, offset, ll_bytes = runtime.staging_plan([LL, NORMAL], lambda c: 4)
