@@ -23,9 +23,14 @@ enum class TicketScope { kGpu, kSystem };
 // took the last ticket (once every block has taken one) and false in every thread of the others; the counter is
 // back at 0 for the next kernel (kernels using one counter run one after another). s_last: one int of the caller's
 // shared memory.
+// A grid of one block takes no ticket (kGpu): the __syncthreads orders every thread's work before what the block
+// does next, and a release by any of its threads is cumulative over it, as above.
 template <TicketScope kScope>
 __device__ __forceinline__ bool last_block(uint32_t* counter, int32_t* s_last) {
   __syncthreads();
+  if constexpr (kScope == TicketScope::kGpu) {
+    if (gridDim.x * gridDim.y == 1) return true;  // grid-uniform
+  }
   if (threadIdx.x == 0) {
     if constexpr (kScope == TicketScope::kSystem) {
       __threadfence_system();
