@@ -130,22 +130,42 @@ def test_normal_buffer_bytes_with_the_forwarding_areas_by_hand():
     # other nodes only), each area aligned to 256. R=4, nvl 2 -> 2 nodes, 4 slots; records of
     # align16(4 * (1 + 8 + 2K + ceil(H/128)) = 56) = 64:
     #   fwd_rows align256(4 * 512) = 2048; fwd_meta align256(4 * 64) = 256; send_fwd_meta 256
+    # Node-first combine needs combine slots for this node's ranks and the forwarder's partials only: the staging's
+    # rows are max(C, (nvl + nodes - 1) * T_max) = max(10, 12) = 12 instead of the flat max(C, R * T_max) = 16, so
+    # the payload is 12 * 512 = 6144 instead of 8192 (the other per-row areas stay within their 256-byte blocks)
     four = {**SMALL_NORMAL, "num_ranks": 4}
     flat = native.normal_buffer_bytes(**four, nvshmem=True)
-    assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=2) == flat + 2048 + 256 + 256
+    assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=2) == flat - 2048 + 2048 + 256 + 256
     # no forwarding: nodes of 1 (flat puts), one node, a node size that does not divide R, no nvshmem
     for nvl in (0, 1, 3, 4):
         assert native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=nvl) == flat
     assert native.normal_buffer_bytes(**four, nvshmem=False, nvl_domain=2) == native.normal_buffer_bytes(**four)
     # nodes of more than kMaxNvlPeers = 8 ranks: flat (R=32, nvl 16); nvl 8 -> 4 nodes, 12 slots (768 bytes of
-    # records per area), and the send area's rows grow from max(C 10, T_max 4) to the 12 forward slots (send_rows
-    # 12 * 512 = 6144 against 5120; send_weights 12 * 8 bytes stay within one 256-byte block)
+    # records per area, fwd_rows 12 * 512 = 6144). The staging shrinks from max(C 10, R * T_max 128) = 128 rows to
+    # max(10, (8 + 3) * 4) = 44: payload 65536 -> 22528, scales 512 -> 256, topk_idx and topk_weights 1024 -> 512
+    # each, src_idx 512 -> 256 (44544 bytes less); the send area keeps max(C, T_max) = 10 rows
     wide = {**SMALL_NORMAL, "num_ranks": 32, "num_experts": 32}
     wide_flat = native.normal_buffer_bytes(**wide, nvshmem=True)
     assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=16) == wide_flat
-    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=8) == wide_flat + 12 * 512 + 2 * 768 + 1024
+    assert native.normal_buffer_bytes(**wide, nvshmem=True, nvl_domain=8) == wide_flat - 44544 + 6144 + 2 * 768
     with pytest.raises(ValueError, match="nvl_domain"):
         native.normal_buffer_bytes(**four, nvshmem=True, nvl_domain=-1)
+
+
+def test_forwarding_layout_at_ep256_has_no_area_per_rank_and_token():
+    """DeepSeek-V3-like shapes across 32 nodes of 8 (H=7168, K=8, T_max=4096, E=256, C=65536): the flat layout keeps
+    a combine slot per (rank, token), R * T_max = 1048576 rows; node-first combine needs (nvl + nodes - 1) * T_max =
+    159744 (this node's ranks, then the forwarder's partials per other node), and the forwarding areas add
+    (nodes - 1) * T_max = 126976 rows of 28672 bytes and two records of align16(4 * (1 + 8 + 16 + 56)) = 336 bytes
+    each. Per staging row: payload 4H = 28672, scales 56 * 4, topk_idx and topk_weights 8 * 4 each, src_idx 4."""
+    args = (7168, 8, 4096, 256, 65536, 256)
+    flat = native.normal_buffer_bytes(*args, nvshmem=True)
+    forwarding = native.normal_buffer_bytes(*args, nvshmem=True, nvl_domain=8)
+    per_row = 28672 + 224 + 32 + 32 + 4
+    assert forwarding == flat - (1048576 - 159744) * per_row + 126976 * (28672 + 2 * 336)
+    assert forwarding < 10.6 * 2**30  # what docs/INTERNODE_SCALING.md's table says for EP256 at C=65536
+
+
 
 
 # The fixed part of every LL region: scratch counters (4 * (1024 experts + 256 ranks)) and the RDMA words (consumed

@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int 
 // send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
 //   - r == this rank: read from `values` here;
 //   - pull mode: read from r's `values` through the peer mapping (s_src[r], its CombineSource);
-//   - push mode: slot [r][t] of the staging, where r's send copied it; with chunk_rows > 0 (combine_push_kernel) lane
+//   - push mode: r's slot of token t in the staging (combine_slot), where r's send copied it; with chunk_rows > 0 (combine_push_kernel) lane
 //     r first waits until r's chunk of rows holding the token is complete (combine_arrivals), else every rank's
 //     rows are in already (the NVSHMEM kernels' send and wait ran before); node-first combine: a remote node's ranks
 //     are one term, its partial row in fwd_rows.
@@ -99,7 +99,6 @@ __device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c
   const int R = g.num_ranks, me = g.rank, lane = lane_id(), nvl = g.forward_nvl;
   char* self = self_base(g);
   const int n16 = p.row_bytes / 16;
-  const int64_t rank_stride = static_cast<int64_t>(p.max_tokens_per_rank);
   const bool with_weights = c == 0 && lane < p.num_weights;
   int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.y) + static_cast<int64_t>(t) * p.row_bytes);
   const int base = c * kReduceVecs + lane;
@@ -156,13 +155,13 @@ __device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c
           if (base + 32 * u < n16) v[u] = ld_nc_v4(src + base + 32 * u);
         if (with_weights) wacc += __ldg(weights + static_cast<int64_t>(row) * p.num_weights + lane);
       } else {
-        const int4* src = reinterpret_cast<const int4*>(self + B.payload + (r * rank_stride + t) * p.row_bytes);
+        const int64_t slot = combine_slot(g, r, t, p.max_tokens_per_rank);
+        const int4* src = reinterpret_cast<const int4*>(self + B.payload + slot * p.row_bytes);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
           if (base + 32 * u < n16) v[u] = ld_cg_v4(src + base + 32 * u);
         if (with_weights)
-          wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + (r * rank_stride + t) *
-                                                                                     p.num_weights + lane);
+          wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) + slot * p.num_weights + lane);
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u)
@@ -221,7 +220,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 // Push combine over NVLink, one kernel: `senders` blocks send, the others reduce as the rows land (the reduce of a
 // token waits only for the chunks of rows that hold it, so it runs under the sends instead of after them).
 //
-// Senders: every received row from a remote rank s goes back to s, into s's slot [this rank][source token]; a warp
+// Senders: every received row from a remote rank s goes back to s, into s's slot (this rank, source token); a warp
 // takes 1 to kMaxRowsPerItem consecutive rows of one source per item and adds them to s's arrival counters of their
 // chunks (one red.release.sys per chunk touched: cumulative over the warp's stores, which __syncwarp orders before
 // it). Rows from this rank itself are not copied: the reduce reads them
@@ -282,7 +281,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
         pending_c = c;
         const int32_t row = s_begin[from] + k;
         const int32_t t = combine_row_token(p, row, from);
-        if (t >= 0) store_combine_row(p, peer_base(g, from), static_cast<int64_t>(me) * p.max_tokens_per_rank + t, row);
+        if (t >= 0) store_combine_row(p, peer_base(g, from), combine_slot(g, me, t, p.max_tokens_per_rank), row);
         // the source's last row completes its chunk: it adds the rows the chunk does not have
         pending += 1u + (k == n - 1 ? static_cast<uint32_t>((c + 1) * chunk_rows - n) : 0u);
       }

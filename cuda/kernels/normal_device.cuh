@@ -308,8 +308,15 @@ __device__ __forceinline__ int32_t combine_row_token(const CombineParams& p, int
   return t;
 }
 
-// Combine, one warp: received row `row` (values and its Kw weights) into slot `slot` = [this rank][token] of the
-// staging at `base` (the source's buffer, as this device addresses it).
+// Combine's push slot of (pushing rank `rank`, token t) in a source's staging (staging_layout.h combine_slot_rows):
+// [rank][t], or [rank's local index][t] in a forwarding group (only the source's node pushes there).
+__device__ __forceinline__ int64_t combine_slot(const GroupCtx& g, int rank, int32_t t, int32_t max_tokens_per_rank) {
+  const int r = g.forward_nvl > 0 ? rank % g.forward_nvl : rank;
+  return static_cast<int64_t>(r) * max_tokens_per_rank + t;
+}
+
+// Combine, one warp: received row `row` (values and its Kw weights) into slot `slot` (combine_slot) of the staging
+// at `base` (the source's buffer, as this device addresses it).
 __device__ __forceinline__ void store_combine_row(const CombineParams& p, char* base, int64_t slot, int32_t row) {
   const BufferLayout& B = p.g.layout;
   const int lane = lane_id();

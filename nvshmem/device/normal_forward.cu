@@ -72,8 +72,10 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_forward_kernel(const __g
 // Node-first combine, on the forwarder, after its node's ranks have flagged their rows (kWaitNode): for every
 // (source node n, token t) with a contributor mask (the record tag word of slot [n][t], OR-ed in by the node's ranks;
 // cleared at the barrier), the f32 sum of the contributed rows in local-index order cast to the values' dtype, and the
-// f32 sum of their weights, staged in the send area and put into the fwd_rows / fwd_meta slot [this node][t] of the source (n, this local index). One
-// warp per (n, t); the last block announces to the sources of this local index.
+// f32 sum of their weights, staged at combine_partial_row and put into the fwd_rows / fwd_meta slot [this node][t]
+// of the source (n, this local index). Contributor i's row is read where i staged it (its send_rows / send_weights
+// at the row index in the record) over NVLink; i does not reuse its send area before this op's end (every op begins
+// with a rendezvous). One warp per (n, t); the last block announces to the sources of this local index.
 constexpr int kForwardUnroll = 4;  // 16-byte vectors per lane in flight in the forwarder's sums
 template <typename Elem>
 __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_forward_kernel(const __grid_constant__ CombineParams p) {
@@ -90,14 +92,20 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_forward_kernel(c
     int n, t;
     other_node_item(item, nodes, my_node, &n, &t);
     const int64_t fslot = forward_slot(B, n, my_node, t);
-    const uint32_t mask = __ldcg(reinterpret_cast<const uint32_t*>(self + B.fwd_meta + fslot * B.fwd_stride));
+    const char* rec = self + B.fwd_meta + fslot * B.fwd_stride;
+    const uint32_t mask = __ldcg(reinterpret_cast<const uint32_t*>(rec));
     if (mask == 0u) continue;  // no rank of this node kept token t of source (n, my local index)
+    // contributor i's staged row (lane i holds i's row index; the mask says which lanes are valid)
+    const int32_t my_row =
+        lane < nvl ? __ldcg(reinterpret_cast<const int32_t*>(rec + combine_record_rows_offset(B.meta_k)) + lane) : 0;
     // the partial is staged and sent in the values' dtype (bf16: 2H bytes per (token, node) over RDMA, like the
     // rows it replaces; the f32 sum is rounded once here and once more at the source, SPEC's tolerance)
     // kForwardUnroll vectors per lane in flight per contributor (one at a time left the warp waiting on each load:
     // the kernel was latency-bound); each element's sum keeps the local-index order.
-    int4* part = reinterpret_cast<int4*>(self + B.send_rows + fslot * B.payload_stride);
-    for (int base = lane; base < n16; base += 32 * kForwardUnroll) {
+    const int64_t part_row = combine_partial_row(B, nvl, fslot);
+    int4* part = reinterpret_cast<int4*>(self + B.payload + part_row * p.row_bytes);
+    for (int first = 0; first < n16; first += 32 * kForwardUnroll) {  // warp-uniform trips: the shuffles below
+      const int base = first + lane;
       float acc[kForwardUnroll][Pk::kN];
 #pragma unroll
       for (int u = 0; u < kForwardUnroll; ++u) {
@@ -106,8 +114,9 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_forward_kernel(c
       }
       for (uint32_t m = mask; m != 0u; m &= m - 1u) {
         const int i = __ffs(m) - 1;
-        const int4* src = reinterpret_cast<const int4*>(
-            self + B.payload + ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * p.row_bytes);
+        const int64_t row = __shfl_sync(0xffffffffu, my_row, i);
+        const int4* src =
+            reinterpret_cast<const int4*>(peer_base(g, my_node * nvl + i) + B.send_rows + row * p.row_bytes);
         int4 v[kForwardUnroll];
 #pragma unroll
         for (int u = 0; u < kForwardUnroll; ++u)
@@ -120,16 +129,16 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_forward_kernel(c
       for (int u = 0; u < kForwardUnroll; ++u)
         if (base + 32 * u < n16) part[base + 32 * u] = Pk::pack(acc[u]);
     }
-    float* s_w = reinterpret_cast<float*>(self + B.send_weights) + fslot * Kw;
-    if (lane < Kw) {
-      float wacc = 0.0f;
-      for (uint32_t m = mask; m != 0u; m &= m - 1u) {
-        const int i = __ffs(m) - 1;
-        wacc += __ldcg(reinterpret_cast<const float*>(self + B.topk_weights) +
-                       ((static_cast<int64_t>(n) * nvl + i) * p.max_tokens_per_rank + t) * Kw + lane);
-      }
-      s_w[lane] = wacc;
+    float* s_w = reinterpret_cast<float*>(self + B.topk_weights) + part_row * Kw;
+    float wacc = 0.0f;
+    for (uint32_t m = mask; m != 0u; m &= m - 1u) {
+      const int i = __ffs(m) - 1;
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, i);  // every lane: the shuffle is warp-wide
+      if (lane < Kw)
+        wacc += __ldcg(reinterpret_cast<const float*>(peer_base(g, my_node * nvl + i) + B.send_weights) + row * Kw +
+                       lane);
     }
+    if (lane < Kw) s_w[lane] = wacc;
     __threadfence();  // the staged partials are in memory before the puts read them
     __syncwarp();
     const int pe = pe_of(g, n * nvl + g.rank % nvl);

@@ -235,9 +235,11 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_send_rows_kernel(const _
   finish_and_announce(g, epoch, g.forward_nvl > 0 ? kAnnounceForwarders : kAnnounceAll);
 }
 
-// Combine rows: the NVLink kernel's interleaved walk over the received rows; a row of a remote source is staged in
-// the send area (indexed by the received row) and put with its weights into the source's slot [me][token], or, in
-// a forwarding group, stored into the node's forwarder for that source (node-first, above).
+// Combine rows: the NVLink kernel's interleaved walk over the received rows. A row of a direct source is stored into
+// its combine_slot; a row of a remote source is staged in the send area (indexed by the received row), then put with
+// its weights into the source's combine_slot (flat), or, in a forwarding group, left there for the node's forwarder
+// of that source, which reads it (normal_forward.cu): this rank's row index goes into the forwarder's combine record
+// of (source node, token) with this rank's bit of its contributor mask.
 __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_send_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span;
   const GroupCtx& g = p.g;
@@ -256,21 +258,9 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_send_kernel(cons
     if (row >= s_end[from]) continue;
     const int32_t t = combine_row_token(p, row, from);
     if (t < 0) continue;
-    const int64_t slot = static_cast<int64_t>(me) * p.max_tokens_per_rank + t;
+    const int64_t slot = combine_slot(g, me, t, p.max_tokens_per_rank);
     if (!is_remote(g, from)) {
       store_combine_row(p, peer_base(g, from), slot, row);
-      continue;
-    }
-    if (g.forward_nvl > 0) {
-      // Node-first: into the forwarder of `from` (this node's rank with from's local index), slot
-      // [from's node * P + my local index][t], and my bit of its contributor mask for (from's node, t).
-      const int nvl = g.forward_nvl, node = from / nvl, f = (me / nvl) * nvl + from % nvl;
-      store_combine_row(p, peer_base(g, f), static_cast<int64_t>(node * nvl + me % nvl) * p.max_tokens_per_rank + t,
-                        row);
-      if (lane == 0)
-        atomicOr_system(reinterpret_cast<unsigned int*>(peer_base(g, f) + B.fwd_meta +
-                                                        forward_slot(B, node, me / nvl, t) * B.fwd_stride),
-                        1u << (me % nvl));
       continue;
     }
     char* s_row = self + B.send_rows + static_cast<int64_t>(row) * p.row_bytes;
@@ -280,6 +270,18 @@ __global__ void __launch_bounds__(kSendThreads) nvshmem_combine_send_kernel(cons
                   p.row_bytes);
     float* s_w = reinterpret_cast<float*>(self + B.send_weights) + static_cast<int64_t>(row) * Kw;
     if (lane < Kw) s_w[lane] = __ldg(p.weights + static_cast<int64_t>(row) * Kw + lane);
+    if (g.forward_nvl > 0) {
+      // Node-first: the forwarder of `from` (this node's rank with from's local index) reads the staged row after
+      // this rank's announcement (kAnnounceNode, whose release covers the stores above); its combine record of
+      // (from's node, t) gets this rank's row index and contributor bit.
+      const int nvl = g.forward_nvl, node = from / nvl, f = (me / nvl) * nvl + from % nvl;
+      char* rec = peer_base(g, f) + B.fwd_meta + forward_slot(B, node, me / nvl, t) * B.fwd_stride;
+      if (lane == 0) {
+        reinterpret_cast<int32_t*>(rec + combine_record_rows_offset(B.meta_k))[me % nvl] = row;
+        atomicOr_system(reinterpret_cast<unsigned int*>(rec), 1u << (me % nvl));
+      }
+      continue;
+    }
     __threadfence();
     __syncwarp();
     const int pe = pe_of(g, from);

@@ -24,11 +24,12 @@ JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) /
 //   [signals | payload | scales | topk_idx | topk_weights | src_idx], each region aligned to kAlign bytes.
 //   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch, the receive targets and the
 //   notify scratch.
-//   rows = max(capacity, R * T_max): dispatch receives up to `capacity` rows, combine one slot per (peer, token).
-//   Dispatch and combine never use the region at the same time: every op begins with a rendezvous (a barrier, or
-//   dispatch's count exchange; docs/ARCHITECTURE.md "Normal-mode kernels").
+//   rows = max(capacity, combine_slot_rows): dispatch receives up to `capacity` rows; combine's slots
+//   (combine_slot_rows) take the rows its peers push. Dispatch and combine never use the region at the same time:
+//   every op begins with a rendezvous (a barrier, or dispatch's count exchange; docs/ARCHITECTURE.md "Normal-mode
+//   kernels").
 struct BufferLayout {
-  int64_t rows;            // staging rows
+  int64_t rows;            // staging rows: max(capacity, combine_slot_rows)
   int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
   int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
   int64_t recv_targets;    // kRecvTargetBytes [R]: dispatch's receive targets of rank s (RecvTargets), written by s
@@ -53,7 +54,7 @@ struct BufferLayout {
   int64_t remote_meta;     // records [capacity]
   // The sources of this rank's puts, which must be symmetric memory; dispatch: by token and destination, combine:
   // by received row.
-  int64_t send_rows;       // max(capacity, T_max, (nodes - 1) * T_max) x payload_stride bytes
+  int64_t send_rows;       // max(capacity, T_max) x payload_stride bytes
   int64_t send_meta;       // records [T_max][R] (ids and weights are per destination)
   int64_t send_weights;    // f32 [as send_rows][K]: the combine's weights
   int64_t expert_out;      // i32 [E]: this rank's per-expert counts (the count exchange's puts read slices)
@@ -62,9 +63,15 @@ struct BufferLayout {
   // NVLink into each of its node's destination ranks (nvshmem/device/normal_send.cu):
   //   record = [tag u32 | destination rows i32 kMaxNvlPeers | global ids i32 K | weights f32 K |
   //             scales f32 ceil(H/128)], fwd_stride bytes; tag != 0: written this op (cleared at every barrier)
-  // Node-first combine reuses them: fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of
-  // token t, fwd_meta record [node][t] the contributor mask (tag word, as forwarder) and the partial weights (at
-  // offset 4, as source); the partials are staged in send_rows / send_weights at forward_slot(node, owner node, t).
+  // Node-first combine reuses them. A rank is the forwarder of the sources of its local index on the other nodes and
+  // the source of its own tokens; record [node][t] serves both roles in disjoint words:
+  //   combine record = [contributor mask u32 (forwarder: this node's ranks holding token t of source (node, my
+  //                     local index), OR-ed in) | partial weights f32 K (source: the sum node `node` put back for my
+  //                     token t) | contributor rows i32 kMaxNvlPeers (forwarder: local rank i's received row of that
+  //                     token, whose values i staged in its own send_rows / send_weights)]
+  // fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of token t at the source. A forwarder
+  // stages its partials in its own payload / topk_weights at combine_partial_row (past the direct slots), so no
+  // area holds a slot per (rank, token) of the group: the forwarder reads the contributions where they were staged.
   int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)
   int64_t fwd_slots;       // T_max: slots per other node (forward_slot)
   int64_t fwd_stride;      // bytes per forward record
@@ -90,6 +97,25 @@ JAX_EP_HD int64_t forward_slot(const BufferLayout& b, int node, int owner_node, 
 
 JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
   return 4 * (1 + kMaxNvlPeers + 2 * num_topk + scale_cols);
+}
+
+// Byte offset, inside a combine record, of the contributor rows (after the mask and the K partial weights; a record
+// holds at least 4 * (1 + kMaxNvlPeers + 2K) bytes).
+JAX_EP_HD int64_t combine_record_rows_offset(int64_t num_topk) { return 4 * (1 + num_topk); }
+
+// Combine's push slots in the payload (and topk_weights) region, in rows of T_max:
+//   flat (fwd_nodes == 0): one per (pushing rank, token): [R][T_max];
+//   forwarding groups: one per (rank of this node, token), then the forwarder's partials per (other node, token):
+//   [nvl][T_max] direct slots, then [nodes - 1][T_max] at combine_partial_row. Remote ranks reach the source only
+//   through the forwarders' partials, so the group size enters through the nodes, not the ranks.
+JAX_EP_HD int64_t combine_slot_rows(int64_t num_ranks, int64_t max_tokens_per_rank, int64_t fwd_nodes) {
+  if (fwd_nodes <= 0) return num_ranks * max_tokens_per_rank;
+  return (num_ranks / fwd_nodes + fwd_nodes - 1) * max_tokens_per_rank;
+}
+
+// Row of a forwarder's staged partial for forward slot fslot (forward_slot: [other node][t]), past the direct slots.
+JAX_EP_HD int64_t combine_partial_row(const BufferLayout& b, int64_t nvl, int64_t fslot) {
+  return nvl * b.fwd_slots + fslot;
 }
 
 // Bytes of one rank's entry in recv_targets (normal_params.h: RecvTargets).
@@ -118,7 +144,9 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
                                           int64_t num_ranks, int64_t capacity, int64_t num_experts,
                                           bool nvshmem = false, int64_t nvl_domain = 0) {
   BufferLayout b{};
-  b.rows = capacity > num_ranks * max_tokens_per_rank ? capacity : num_ranks * max_tokens_per_rank;
+  const int64_t slot_rows =
+      combine_slot_rows(num_ranks, max_tokens_per_rank, nvshmem ? forward_nodes(num_ranks, nvl_domain) : 0);
+  b.rows = capacity > slot_rows ? capacity : slot_rows;
   const int64_t scale_cols = (hidden + kFp8Block - 1) / kFp8Block;
   b.counts = kSignalHeaderBytes;
   b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
@@ -133,12 +161,9 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.total = b.src_idx + align_up(b.rows * 4);
   if (nvshmem) {
     b.fwd_nodes = forward_nodes(num_ranks, nvl_domain);
-    // The send area's rows (send_rows, send_weights) are indexed by token (dispatch: T_max), by received row (combine:
-    // capacity) and by forward slot (node-first combine's partials: (nodes - 1) * T_max); remote_meta by received row.
-    // None is indexed by combine slot, so none needs R * T_max rows.
-    const int64_t fwd_slots = b.fwd_nodes > 0 ? (b.fwd_nodes - 1) * max_tokens_per_rank : 0;
-    int64_t send_count = capacity > max_tokens_per_rank ? capacity : max_tokens_per_rank;
-    send_count = fwd_slots > send_count ? fwd_slots : send_count;
+    // The send area's rows (send_rows, send_weights) are indexed by token (dispatch: T_max) and by received row
+    // (combine: capacity, the rows put to a flat source or read by a forwarder); remote_meta by received row.
+    const int64_t send_count = capacity > max_tokens_per_rank ? capacity : max_tokens_per_rank;
     b.meta_k = num_topk;
     b.meta_stride = align_up(4 * (2 * num_topk + 1 + scale_cols), 16);
     b.remote_meta = b.total;
