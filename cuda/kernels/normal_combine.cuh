@@ -80,10 +80,10 @@ __device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int 
 // send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
 //   - r == this rank: read from `values` here;
 //   - pull mode: read from r's `values` through the peer mapping (s_src[r], its CombineSource);
-//   - push mode: r's slot of token t in the staging (combine_slot), where r's send copied it; with chunk_rows > 0 (combine_push_kernel) lane
-//     r first waits until r's chunk of rows holding the token is complete (combine_arrivals), else every rank's
-//     rows are in already (the NVSHMEM kernels' send and wait ran before); node-first combine: a remote node's ranks
-//     are one term, its partial row in fwd_rows.
+//   - push mode: r's slot of token t in the staging (combine_slot), where r's send copied it; with chunk_rows > 0
+//     (combine_push_kernel) lane r first waits until r's chunk of rows holding the token is complete
+//     (combine_arrivals), else every rank's rows are in already (the NVSHMEM kernels' send and wait ran before);
+//     node-first combine: a remote node's ranks are one term, its partial row in fwd_rows.
 // Every way reads the same numbers in the same order, so the result does not depend on the mode. One warp. Per lane,
 // all loads of a rank are issued before its adds; ranks are summed in ascending order (the order the reference uses),
 // so the result does not depend on the chunking.
