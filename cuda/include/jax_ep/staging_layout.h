@@ -71,7 +71,8 @@ struct BufferLayout {
   //                     token, whose values i staged in its own send_rows / send_weights)]
   // fwd_rows slot [node][t] (stride payload_stride) takes node's partial row of token t at the source. A forwarder
   // stages its partials in its own payload / topk_weights at combine_partial_row (past the direct slots), so no
-  // area holds a slot per (rank, token) of the group: the forwarder reads the contributions where they were staged.
+  // area holds a slot per (rank, token) of the group: the forwarder reads the contributions where they were staged,
+  // at offsets from its own layout (every rank of a group runs the same config, so the layouts are equal).
   int64_t fwd_nodes;       // nodes of the group (R / nvl_domain)
   int64_t fwd_slots;       // T_max: slots per other node (forward_slot)
   int64_t fwd_stride;      // bytes per forward record
@@ -100,7 +101,8 @@ JAX_EP_HD int64_t forward_record_bytes(int64_t num_topk, int64_t scale_cols) {
 }
 
 // Byte offset, inside a combine record, of the contributor rows (after the mask and the K partial weights; a record
-// holds at least 4 * (1 + kMaxNvlPeers + 2K) bytes).
+// holds at least 4 * (1 + kMaxNvlPeers + 2K) bytes). A combine puts at most K weights per row (its handler checks
+// the weights' columns against num_topk), so the partial weights never reach the rows.
 JAX_EP_HD int64_t combine_record_rows_offset(int64_t num_topk) { return 4 * (1 + num_topk); }
 
 // Combine's push slots in the payload (and topk_weights) region, in rows of T_max:
