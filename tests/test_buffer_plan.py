@@ -91,3 +91,38 @@ def test_the_peer_written_window_ends_at_one_offset_for_every_num_experts():
                 continue
             rows = m.normal_buffer_bytes(128, 1, 1, R, 1, E) - up(512 * R, 256) - 4 * 256  # H=128, T_max=1, C=1
             assert rows == up(window + 128 * (R + E), 256), (R, E)
+
+
+@needs_native
+def test_an_allocation_failure_names_the_buffers_and_recv_capacity(monkeypatch):
+    """initialize's allocation failing for want of memory (cudaMalloc's "out of memory") becomes an EPError that
+    gives each config's buffers per GPU and the setting that sizes them; other failures pass through unchanged. The
+    CUDA transport is replaced by one that fails as the driver would, on the emulated CPU devices."""
+    import jax
+    import numpy as np
+
+    from jax_ep.runtime import lifecycle, peer
+
+    wide = EPConfig(256, 7168, 8, 4096, axis_name="ep")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("ep",))
+    monkeypatch.setattr(lifecycle, "resolve_backend", lambda cfg, platform=None: "cuda")
+    monkeypatch.setattr(lifecycle._native, "ensure_registered", lambda: None)
+
+    def fail(message):
+        def connect(groups, axes, buffer_bytes):
+            raise RuntimeError(message)
+        return connect
+
+    monkeypatch.setattr(peer.PeerTransport, "connect", staticmethod(fail("cudaMalloc: out of memory")))
+    with pytest.raises(jax_ep.EPError) as info:
+        lifecycle._build(mesh, (wide,), [])
+    text = str(info.value)
+    normal = runtime.buffer_size_hint(wide, 8).normal_bytes / 2**30
+    assert "out of memory" in text and "recv_capacity=32768 rows (the default" in text, text
+    assert f"normal mode {normal:.2f} GiB" in text and "axis 'ep' (R=8" in text, text
+    capped = dataclasses.replace(wide, recv_capacity=4096)
+    with pytest.raises(jax_ep.EPError, match="recv_capacity=4096 rows, low latency 0.00 GiB"):
+        lifecycle._build(mesh, (capped,), [])
+    monkeypatch.setattr(peer.PeerTransport, "connect", staticmethod(fail("peer access refused")))
+    with pytest.raises(RuntimeError, match="^peer access refused$"):
+        lifecycle._build(mesh, (wide,), [])

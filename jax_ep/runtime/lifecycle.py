@@ -145,6 +145,30 @@ def rdma_size_hint(cfg: EPConfig, num_ranks: int) -> int:
     return buffer_size_hint(cfg, num_ranks).total_bytes
 
 
+def buffer_advice(configs, num_ranks_of) -> str:
+    """What each config's buffers hold per GPU and the settings that size them: the advice an allocation failure of
+    `initialize` ends with (wide groups run out of memory first through the default recv_capacity, R * T_max)."""
+    parts = []
+    for c in configs:
+        num_ranks = num_ranks_of(c)
+        hint = buffer_size_hint(c, num_ranks)
+        default = " (the default: R * max_tokens_per_rank)" if c.recv_capacity is None else ""
+        parts.append(f"axis {c.axis_name!r} (R={num_ranks}, E={c.num_experts}, H={c.hidden}, "
+                     f"max_tokens_per_rank={c.max_tokens_per_rank}): normal mode {hint.normal_bytes / 2**30:.2f} GiB "
+                     f"with recv_capacity={c.capacity(num_ranks)} rows{default}, low latency "
+                     f"{hint.low_latency_bytes / 2**30:.2f} GiB")
+    return ("Buffers per GPU: " + "; ".join(parts) + ". Set EPConfig.recv_capacity to the rows a rank may receive "
+            "(docs/INTERNODE_SCALING.md section 3), low_latency_buffers=False for configs that run no low-latency "
+            "ops, or leave more GPU memory outside XLA's pool (XLA_PYTHON_CLIENT_MEM_FRACTION).")
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether an allocation in the transport's setup failed for want of memory (cudaMalloc's "out of memory",
+    NVSHMEM's heap allocation returning null)."""
+    text = str(error).lower()
+    return "out of memory" in text or "returned null" in text
+
+
 def staging_plan(configs, num_ranks_of) -> tuple[int, int, int]:
     """(buffer_bytes, low_latency_offset, low_latency_bytes) of one device's staging for the CUDA `configs`
     (num_ranks_of(cfg) = R of its EP group): the native plan, [largest normal region | largest LL region]."""
@@ -300,16 +324,22 @@ def _build(mesh, configs, retired: list) -> Runtime:
         buffer_bytes, ll_offset, ll_bytes = staging_plan(cuda_configs,
                                                          lambda c: len(groups[c.axis_name][0].device_ids))
     transport = None
-    if multi:
-        transport = _connect_multi_process(mesh, configs, backends, groups, cuda_configs, axes, buffer_bytes,
-                                           retired, timings)
-    elif cuda_configs:
-        from .peer import PeerTransport
+    try:
+        if multi:
+            transport = _connect_multi_process(mesh, configs, backends, groups, cuda_configs, axes, buffer_bytes,
+                                               retired, timings)
+        elif cuda_configs:
+            from .peer import PeerTransport
 
-        t1 = time.perf_counter()
-        _native.ensure_registered()
-        transport = PeerTransport.connect(groups, axes, buffer_bytes)
-        timings["allocate_and_connect"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            _native.ensure_registered()
+            transport = PeerTransport.connect(groups, axes, buffer_bytes)
+            timings["allocate_and_connect"] = time.perf_counter() - t1
+    except Exception as e:
+        if not cuda_configs or not _out_of_memory(e):
+            raise
+        raise EPError(f"jax_ep.initialize: allocating {buffer_bytes / 2**30:.2f} GiB of buffers per GPU failed: {e}. "
+                      + buffer_advice(cuda_configs, lambda c: ranks_by_axis[c.axis_name])) from e
     if transport is not None:
         for axis in axes:
             _native.module().bind_axis(axis, transport.set_id(axis), ll_offset, ll_bytes)
