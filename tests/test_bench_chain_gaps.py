@@ -76,6 +76,17 @@ def test_period_of_per_rank_low_latency_combine_counts_push_and_send_as_one_call
     assert gap_report(ops)[2] == 40
 
 
+def test_period_of_per_expert_low_latency_ops_from_their_one_fused_kernel():
+    # per_expert runs each fused op as one kernel: dispatch (27 us, then a 2 us fusion) and combine (28 us), 30 us apart
+    call = [("low_latency_dispatch_fused_kernel", 0, 27), ("loop_convert_fusion", 27, 2),
+            ("low_latency_combine_fused_kernel", 30, 28)]
+    ops = [_ev(f"void jax_ep::low_latency::(anonymous namespace)::{n}(P)", ts + 60 * i, d)
+           for i in range(4) for n, ts, d in call]
+    durs, _, period = gap_report(ops)
+    assert period == 30  # dispatch start to combine start, and combine start to the next dispatch start
+    assert durs["low_latency_dispatch_fused_kernel"] == [27.0] * 4
+
+
 def test_sweeps_are_low_latency_unless_the_mode_is_given():
     argv = ["--tokens", "64", "--ll-tokens", "1,8"]
     assert [s[:2] for s in sweeps_of(parse_args(argv, False), argv)] == [("low_latency", 1), ("low_latency", 8)]

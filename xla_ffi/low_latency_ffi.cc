@@ -65,10 +65,11 @@ ffi::Error LaunchOn(const char* target, int32_t ordinal, Launch&& launch) {
 
 // ---- which kernels: the NVLink kernels of this module, or the NVSHMEM ones of jax_ep._jax_ep_nvshmem ----------
 // (OpConfig::nvshmem: EPConfig.low_latency_over_nvshmem(R); jax_ep/nvshmem_ops.h). One launcher per kernel, both ways.
+// hook: this launch is a handler call of its own (test_hooks::skip_launch counts it once), not a half of a fused op.
 template <typename Params>
 Status LaunchEither(const OpState& st, const Params& p, cudaStream_t s, Status (*nvlink)(const Params&, cudaStream_t),
-                    const char* (*const LowLatencyNvshmemOps::*nvshmem)(const Params&, cudaStream_t)) {
-  if (test_hooks::skip_launch(p.c.g.rank)) return Status::Ok();
+                    const char* (*const LowLatencyNvshmemOps::*nvshmem)(const Params&, cudaStream_t), bool hook) {
+  if (hook && test_hooks::skip_launch(p.c.g.rank)) return Status::Ok();
   if (!st.config().nvshmem) return nvlink(p, s);
   const LowLatencyNvshmemOps* ops = low_latency_nvshmem_ops();
   if (ops == nullptr)
@@ -79,23 +80,35 @@ Status LaunchEither(const OpState& st, const Params& p, cudaStream_t s, Status (
   return error == nullptr ? Status::Ok() : Status::Error(error);
 }
 
-Status Launch(const OpState& st, const low_latency::DispatchSendParams& p, cudaStream_t s) {
-  return LaunchEither(st, p, s, &low_latency::launch_dispatch_send, &LowLatencyNvshmemOps::dispatch_send);
+Status Launch(const OpState& st, const low_latency::DispatchSendParams& p, cudaStream_t s, bool hook = true) {
+  return LaunchEither(st, p, s, &low_latency::launch_dispatch_send, &LowLatencyNvshmemOps::dispatch_send, hook);
 }
-Status Launch(const OpState& st, const low_latency::DispatchRecvParams& p, cudaStream_t s) {
-  return LaunchEither(st, p, s, &low_latency::launch_dispatch_recv, &LowLatencyNvshmemOps::dispatch_recv);
+Status Launch(const OpState& st, const low_latency::DispatchRecvParams& p, cudaStream_t s, bool hook = true) {
+  return LaunchEither(st, p, s, &low_latency::launch_dispatch_recv, &LowLatencyNvshmemOps::dispatch_recv, hook);
 }
-Status Launch(const OpState& st, const low_latency::CombineSendParams& p, cudaStream_t s) {
-  return LaunchEither(st, p, s, &low_latency::launch_combine_send, &LowLatencyNvshmemOps::combine_send);
+Status Launch(const OpState& st, const low_latency::CombineSendParams& p, cudaStream_t s, bool hook = true) {
+  return LaunchEither(st, p, s, &low_latency::launch_combine_send, &LowLatencyNvshmemOps::combine_send, hook);
 }
-Status Launch(const OpState& st, const low_latency::CombineRecvParams& p, cudaStream_t s) {
-  return LaunchEither(st, p, s, &low_latency::launch_combine_recv, &LowLatencyNvshmemOps::combine_recv);
+Status Launch(const OpState& st, const low_latency::CombineRecvParams& p, cudaStream_t s, bool hook = true) {
+  return LaunchEither(st, p, s, &low_latency::launch_combine_recv, &LowLatencyNvshmemOps::combine_recv, hook);
 }
-// A fused op: its send kernel, then its receive kernel, on one stream.
+// A fused op. NVLink kernels: one launcher for both halves (low_latency::launch_dispatch / launch_combine: one kernel
+// in per_expert mode); NVSHMEM kernels: the send kernel, then the receive kernel, on one stream.
 template <typename Send, typename Recv>
-Status Launch(const OpState& st, const Send& send, const Recv& recv, cudaStream_t s) {
-  JAX_EP_RETURN_IF_ERROR(Launch(st, send, s));
-  return Launch(st, recv, s);
+Status LaunchFused(const OpState& st, const Send& send, const Recv& recv, cudaStream_t s,
+                   Status (*nvlink)(const Send&, const Recv&, cudaStream_t)) {
+  if (test_hooks::skip_launch(send.c.g.rank)) return Status::Ok();
+  if (!st.config().nvshmem) return nvlink(send, recv, s);
+  JAX_EP_RETURN_IF_ERROR(Launch(st, send, s, false));
+  return Launch(st, recv, s, false);
+}
+Status Launch(const OpState& st, const low_latency::DispatchSendParams& send,
+              const low_latency::DispatchRecvParams& recv, cudaStream_t s) {
+  return LaunchFused(st, send, recv, s, &low_latency::launch_dispatch);
+}
+Status Launch(const OpState& st, const low_latency::CombineSendParams& send,
+              const low_latency::CombineRecvParams& recv, cudaStream_t s) {
+  return LaunchFused(st, send, recv, s, &low_latency::launch_combine);
 }
 
 // The header slot joining the two kernels of a fused op (SignalHeader::kLowLatencyFusedToken, this rank's own buffer).

@@ -19,24 +19,25 @@ namespace jax_ep {
 //            NVSHMEM signal operations).
 enum class TicketScope { kGpu, kSystem };
 
-// Called by every thread of every block, once per block, at its end. Returns true in every thread of the block that
-// took the last ticket (once every block has taken one) and false in every thread of the others; the counter is
+// Called by every thread of each of `blocks` blocks (the kernel's grid, or the blocks of one role of a kernel that
+// plays several: each role its own counter), once per block, at its end. Returns true in every thread of the block
+// that took the last ticket (once every block has taken one) and false in every thread of the others; the counter is
 // back at 0 for the next kernel (kernels using one counter run one after another). s_last: one int of the caller's
 // shared memory.
-// A grid of one block takes no ticket (kGpu): the __syncthreads orders every thread's work before what the block
-// does next, and a release by any of its threads is cumulative over it, as above.
+// A single block takes no ticket (kGpu): the __syncthreads orders every thread's work before what the block does
+// next, and a release by any of its threads is cumulative over it, as above.
 template <TicketScope kScope>
-__device__ __forceinline__ bool last_block(uint32_t* counter, int32_t* s_last) {
+__device__ __forceinline__ bool last_block(uint32_t* counter, int32_t* s_last, uint32_t blocks) {
   __syncthreads();
   if constexpr (kScope == TicketScope::kGpu) {
-    if (gridDim.x * gridDim.y == 1) return true;  // grid-uniform
+    if (blocks == 1) return true;  // uniform over the blocks
   }
   if (threadIdx.x == 0) {
     if constexpr (kScope == TicketScope::kSystem) {
       __threadfence_system();
-      *s_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+      *s_last = atomicAdd(counter, 1u) == blocks - 1;
     } else {
-      *s_last = atom_add_acq_rel_gpu(counter, 1u) == gridDim.x * gridDim.y - 1;
+      *s_last = atom_add_acq_rel_gpu(counter, 1u) == blocks - 1;
     }
     if (*s_last) {
       atomicExch(counter, 0u);
@@ -45,6 +46,12 @@ __device__ __forceinline__ bool last_block(uint32_t* counter, int32_t* s_last) {
   }
   __syncthreads();
   return *s_last != 0;
+}
+
+// The kernel's whole grid.
+template <TicketScope kScope>
+__device__ __forceinline__ bool last_block(uint32_t* counter, int32_t* s_last) {
+  return last_block<kScope>(counter, s_last, gridDim.x * gridDim.y);
 }
 
 }  // namespace jax_ep

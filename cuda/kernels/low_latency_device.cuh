@@ -293,12 +293,21 @@ inline int one_wave_blocks(const Ctx& c, int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, kExpertBlocksPerSm * sm_count_or_default(c))));
 }
 
-// Combine receive: blocks (token, part), parts splitting H/8 vectors over kCombineRecvThreads-thread blocks.
+// Combine send (per_expert): (row, segment) items, the rows of every local expert, at most R * T_max each, and at
+// most R * T * min(K, L) in all (each source's T tokens reach at most min(K, L) experts here; every rank calls with
+// the same T). The grid only sets the parallelism (the body strides over the items), so a small call has few blocks.
+inline int combine_send_blocks(const CombineSendParams& p) {
+  const int64_t L = p.c.num_local, R = p.c.g.num_ranks, nseg = (2 * p.c.hidden + kSegBytes - 1) / kSegBytes;
+  const int64_t rows = std::min(L * R * p.c.max_tokens, R * p.num_tokens * std::min<int64_t>(p.num_topk, L));
+  return one_wave_blocks(p.c, std::max<int64_t>(rows, 1) * nseg);
+}
+
+// Combine receive: blocks (token, part) of `threads` threads, parts splitting H/8 vectors over a token's blocks.
 // INVARIANT (no starvation): its blocks spin on peers' flags, so the grid never exceeds one wave of
 // kExpertBlocksPerSm blocks per SM (resident, and leaving room for other streams' kernels); blocks walk the tokens
-// t = blockIdx.x, blockIdx.x + gridDim.x, ...
-inline dim3 combine_recv_grid(const CombineRecvParams& p) {
-  const int max_parts = std::max(1, (p.c.hidden / 8 + kCombineRecvThreads - 1) / kCombineRecvThreads);
+// t = x, x + blocks, ... (BlockPlace)
+inline dim3 combine_recv_grid(const CombineRecvParams& p, int threads) {
+  const int max_parts = std::max(1, (p.c.hidden / 8 + threads - 1) / threads);
   const int blocks = std::max(1, std::min(p.num_tokens, kExpertBlocksPerSm * sm_count_or_default(p.c)));
   const int parts = std::max(1, std::min(max_parts, (2 * sm_count_or_default(p.c) + blocks - 1) / blocks));
   return dim3(blocks, parts);

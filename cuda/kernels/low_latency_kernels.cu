@@ -1,5 +1,5 @@
 // Low-latency mode (SPEC §4): dispatch into per-expert slots and weighted combine, each as a send kernel and a
-// receive kernel (the two halves of the split custom calls; the fused op runs both back to back).
+// receive kernel (the two halves of the split custom calls), and as one kernel playing both (the fused ops).
 //
 //   dispatch send   low_latency_send.cuh (one template for both modes): one block per token, its row read (fp8: quantized)
 //                   once and written once per distinct expert into the owner at slot [l][me][position]; the last
@@ -49,7 +49,7 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p) {
-  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, PeerWait{}); });
+  receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, PeerWait{}, BlockPlace::of_grid()); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ static_assert(kMaxLowLatencyExperts <= 2 * kThreads, "block_exclusive_scan of on
 // The rows of every local expert as one list (expert, then row): warp items (row, segment) over the whole grid, so
 // an expert with more rows than the others does not hold the kernel back. Every block derives the list from the
 // handle's layout_range: s_off[l][s] = rows of expert l from sources before s, s_first[l] = rows of experts before l.
-__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch, const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   const int total = block_exclusive_scan(s_first, L, s_warp);
   const int nseg = (row_bytes + kSegBytes - 1) / kSegBytes;
   const char* expert_out = static_cast<const char*>(p.expert_out);
-  for (int item = global_warp(); item < total * nseg; item += num_global_warps()) {
+  for (int item = b.global_warp(); item < total * nseg; item += b.num_global_warps()) {
     const int row = item / nseg, seg = item % nseg, off = seg * kSegBytes;
     int l = 0, hi = L - 1;  // the last expert whose rows start at or before `row` (the one holding it)
     while (l < hi) {
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendOpened);
-  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
+  if (s_gate.work) combine_send_body(p, s_gate.epoch, BlockPlace::of_grid());  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendBody);
   if (!last_block<TicketScope::kGpu>(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
@@ -137,7 +137,59 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 // ---------------------------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
-  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, PeerWait{}); });
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, PeerWait{}, BlockPlace::of_grid()); });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The fused ops of per_expert mode: send and receive in one kernel (low_latency_protocol.cuh, fused_frame), so the
+// receive's blocks are resident, opened and waiting when the flags land, with no launch between the halves.
+
+// Calls of at most this many tokens run the fused dispatch kernel, larger ones its two kernels. The fused kernel's
+// blocks are capped at 64 registers (two per SM, so receive blocks sit beside send blocks), where the send body
+// spills; one launch less pays for that only while the call's fixed costs dominate (the measurements:
+// docs/BENCHMARKS.md, "Where the time goes (low latency)"). The fused combine kernel has no such cost.
+constexpr int kFusedDispatchMaxTokens = 1;
+
+struct DispatchFusedParams {
+  DispatchSendParams send;
+  DispatchRecvParams recv;  // its io is unused: the send's state and the op's decision serve both
+  int32_t senders;          // send places (send_grid); then L x parts receive places (expert_grid)
+};
+
+static_assert(kSendThreads == kThreads, "a fused dispatch kernel's blocks play both halves");
+
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    low_latency_dispatch_fused_kernel(const __grid_constant__ DispatchFusedParams p) {
+  extern __shared__ __align__(16) char s_row[];  // fp8: one quantized message payload (send places)
+  const int L = p.recv.c.num_local;
+  fused_frame(
+      p.send.c.g, p.send.io, "low-latency dispatch", p.senders,
+      [&](uint32_t epoch, int place) {
+        dispatch_send_body<false>(p.send, epoch, s_row, BlockPlace{place, 0, p.senders, 1});
+      },
+      [&](uint32_t epoch) { publish_counts<false>(p.send, epoch); },
+      [&](uint32_t epoch, int place, int places) {
+        dispatch_recv_body(p.recv, epoch, PeerWait{}, BlockPlace{place % L, place / L, L, places / L});
+      });
+}
+
+struct CombineFusedParams {
+  CombineSendParams send;
+  CombineRecvParams recv;  // its io is unused, as in DispatchFusedParams
+  int32_t senders;         // send places (one_wave_blocks); then recv_tokens x (places / recv_tokens) receive places
+  int32_t recv_tokens;     // combine_recv_grid(recv, kThreads).x
+};
+
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    low_latency_combine_fused_kernel(const __grid_constant__ CombineFusedParams p) {
+  const int bx = p.recv_tokens;
+  fused_frame(
+      p.send.c.g, p.send.io, "low-latency combine", p.senders,
+      [&](uint32_t epoch, int place) { combine_send_body(p.send, epoch, BlockPlace{place, 0, p.senders, 1}); },
+      [&](uint32_t epoch) { publish_combine_flags(p.send, epoch); },
+      [&](uint32_t epoch, int place, int places) {
+        combine_recv_body(p.recv, epoch, PeerWait{}, BlockPlace{place % bx, place / bx, bx, places / bx});
+      });
 }
 
 }  // namespace
@@ -149,7 +201,9 @@ Status preload_kernels() {
                   reinterpret_cast<const void*>(low_latency_dispatch_send_kernel<true>),
                   reinterpret_cast<const void*>(low_latency_dispatch_recv_kernel),
                   reinterpret_cast<const void*>(low_latency_combine_send_kernel),
-                  reinterpret_cast<const void*>(low_latency_combine_recv_kernel)});
+                  reinterpret_cast<const void*>(low_latency_combine_recv_kernel),
+                  reinterpret_cast<const void*>(low_latency_dispatch_fused_kernel),
+                  reinterpret_cast<const void*>(low_latency_combine_fused_kernel)});
 }
 
 Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
@@ -184,31 +238,46 @@ Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
 }
 
 Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_ERROR(launch_dispatch_send(send, stream));
-  return launch_dispatch_recv(recv, stream);
+  const int smem = send_shared_bytes(send.use_fp8, send.c.hidden);
+  static const int static_smem =  // a property of the kernel, not of the GPU: asked once
+      static_shared_bytes(reinterpret_cast<const void*>(low_latency_dispatch_fused_kernel));
+  // Two kernels: per_rank mode; calls of more than kFusedDispatchMaxTokens tokens; an fp8 row too wide for the fused
+  // kernel's shared memory beside its receive's.
+  if (send.per_rank || send.num_tokens > kFusedDispatchMaxTokens || static_smem < 0 ||
+      static_smem + smem > kMaxSendSharedBytes) {
+    JAX_EP_RETURN_IF_ERROR(launch_dispatch_send(send, stream));
+    return launch_dispatch_recv(recv, stream);
+  }
+  const DispatchFusedParams p{send, recv, send_grid(send)};
+  // receive parts: an expert gets at most R x T rows; about 16 rows a block (a row per warp)
+  const int64_t rows = static_cast<int64_t>(send.c.g.num_ranks) * std::max(send.num_tokens, 1);
+  const dim3 receive = expert_grid(recv.c, static_cast<int>(std::min<int64_t>(16, (rows + 15) / 16)));
+  low_latency_dispatch_fused_kernel<<<p.senders + static_cast<int>(receive.x * receive.y), kThreads, smem, stream>>>(p);
+  return launched("low-latency dispatch");
 }
 
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
   if (p.per_rank) return per_rank::launch_combine_send(p, stream);
-  // (row, segment) items: the rows of every local expert, at most R * T_max each, and at most R * T * min(K, L) in
-  // all (each source's T tokens reach at most min(K, L) experts here; every rank calls with the same T). The grid
-  // only sets the parallelism (the body strides over the items), so a small call launches few blocks.
-  const int64_t L = p.c.num_local, R = p.c.g.num_ranks, nseg = (2 * p.c.hidden + kSegBytes - 1) / kSegBytes;
-  const int64_t rows = std::min(L * R * p.c.max_tokens, R * p.num_tokens * std::min<int64_t>(p.num_topk, L));
-  const int64_t items = std::max<int64_t>(rows, 1) * nseg;
-  low_latency_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
+  low_latency_combine_send_kernel<<<combine_send_blocks(p), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send");
 }
 
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   if (p.per_rank) return per_rank::launch_combine_recv(p, stream);
-  low_latency_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
+  const dim3 grid = combine_recv_grid(p, kCombineRecvThreads);
+  low_latency_combine_recv_kernel<<<grid, kCombineRecvThreads, 0, stream>>>(p);
   return launched("low-latency combine receive");
 }
 
 Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_ERROR(launch_combine_send(send, stream));
-  return launch_combine_recv(recv, stream);
+  if (send.per_rank) {
+    JAX_EP_RETURN_IF_ERROR(launch_combine_send(send, stream));
+    return launch_combine_recv(recv, stream);
+  }
+  const dim3 receive = combine_recv_grid(recv, kThreads);
+  const CombineFusedParams p{send, recv, combine_send_blocks(send), static_cast<int32_t>(receive.x)};
+  low_latency_combine_fused_kernel<<<p.senders + static_cast<int>(receive.x * receive.y), kThreads, 0, stream>>>(p);
+  return launched("low-latency combine");
 }
 
 }  // namespace jax_ep::low_latency

@@ -365,7 +365,8 @@ Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
 }
 
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
-  low_latency_per_rank_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(p);
+  const dim3 grid = combine_recv_grid(p, kCombineRecvThreads);
+  low_latency_per_rank_combine_recv_kernel<<<grid, kCombineRecvThreads, 0, stream>>>(p);
   return launched("low-latency combine receive (per_rank)");
 }
 

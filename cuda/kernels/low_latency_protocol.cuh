@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "common/last_block.cuh"
 #include "common/ptx.cuh"
+#include "common/thread.cuh"
 #include "jax_ep/low_latency_params.h"
 #include "jax_ep/signal_header.h"
 #include "kernels/low_latency_phases.cuh"
@@ -96,6 +98,14 @@ __device__ __forceinline__ void send_decision(const GroupCtx& g, const ChainIO& 
   gate->epoch = gate->work ? load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) + 1u : 0u;
 }
 
+// The device over-subscription message (once per op: one thread of the send). `op` names the op.
+__device__ __forceinline__ void print_device_error(const GroupCtx& g, const char* op) {
+  printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
+         "here: the program forked the LL state or ran LL ops on independent chains\n",
+         op, g.rank, load_volatile(low_latency_word(g, SignalHeader::kLowLatencyInFlight)),
+         load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) - 1u);
+}
+
 // Thread 0 of each block of a send kernel. `op` names the op in the device over-subscription message.
 // NOTE: a kernel launched before the send kernel of the same op (the per_rank combine's weight push) takes the
 // same decision with send_decision: nothing between them on the stream changes what it reads.
@@ -103,11 +113,7 @@ __device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, 
                                           const char* op, Gate* gate, const uint64_t* nvshmem_consumed = nullptr) {
   bool device_error = false;
   send_decision(g, io, fused, gate, &device_error, nvshmem_consumed);
-  if (device_error && blockIdx.x == 0 && blockIdx.y == 0)
-    printf("jax_ep: %s on rank %d skipped (error bit 2): %u low-latency ops in flight, op %u not yet received "
-           "here: the program forked the LL state or ran LL ops on independent chains\n",
-           op, g.rank, load_volatile(low_latency_word(g, SignalHeader::kLowLatencyInFlight)),
-           load_volatile(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) - 1u);
+  if (device_error && blockIdx.x == 0 && blockIdx.y == 0) print_device_error(g, op);
   if (blockIdx.x == 0 && blockIdx.y == 0)
     *reinterpret_cast<int4*>(io.token) = make_int4(static_cast<int32_t>(gate->epoch), num_tokens,
                                                    gate->state_out.z, 0);  // read by the op's receive
@@ -129,13 +135,14 @@ __device__ __forceinline__ void open_recv(const ChainIO& io, Gate* gate) {
   gate->epoch = static_cast<uint32_t>(tok.x);
 }
 
-// Called by every thread of every block (once per block) at its end. Returns true in thread 0 of the last block to
-// get here, after every other block of the kernel got here (and after their reads and writes: fenced).
-__device__ __forceinline__ bool last_block_done(uint32_t* counter) {
+// Called by every thread of each of `blocks` blocks (the kernel's grid, or a fused kernel's receive role) once per
+// block at its end. Returns true in thread 0 of the last block to get here, after every other block got here (and
+// after their reads and writes: fenced).
+__device__ __forceinline__ bool last_block_done(uint32_t* counter, uint32_t blocks) {
   __syncthreads();
   if (threadIdx.x != 0) return false;
   __threadfence();  // this block's loads (state, token, half) and stores are complete before it is counted
-  if (atomicAdd(counter, 1u) != gridDim.x * gridDim.y - 1) return false;
+  if (atomicAdd(counter, 1u) != blocks - 1) return false;
   atomicExch(counter, 0u);  // every block has counted itself: reset for the next kernel
   __threadfence();
   return true;
@@ -156,7 +163,8 @@ __device__ __forceinline__ void finish_send_last(const GroupCtx& g, const ChainI
 }
 
 __device__ __forceinline__ void finish_send(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
-  if (last_block_done(low_latency_word(g, SignalHeader::kLowLatencySendDone))) finish_send_last(g, io, gate);
+  if (last_block_done(low_latency_word(g, SignalHeader::kLowLatencySendDone), gridDim.x * gridDim.y))
+    finish_send_last(g, io, gate);
 }
 
 // Thread 0 of a receive's last block, after it published the consumed epoch: in_flight_device -= 1, the state.
@@ -179,9 +187,12 @@ __device__ __forceinline__ void end_recv(const GroupCtx& g, const ChainIO& io, c
 // epoch, a release store into its header through the peer pointer: it orders the block's reads, and through the
 // blocks' fences and counts every block's), so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path:
 // nvshmem/device/low_latency.cu.)
-__device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+// blocks: the receive's blocks (the kernel's grid, or a fused kernel's receive role); end: thread 0 of the last block
+// after the release (end_recv, or the fused kernel's end_fused).
+template <typename End>
+__device__ __forceinline__ void finish_recv(const GroupCtx& g, const Gate& gate, uint32_t blocks, End end) {
   __shared__ bool s_last;
-  const bool last = last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone));
+  const bool last = last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone), blocks);
   if (threadIdx.x == 0) s_last = last;
   __syncthreads();
   if (!s_last) return;
@@ -193,7 +204,7 @@ __device__ __forceinline__ void finish_recv(const GroupCtx& g, const ChainIO& io
                      gate.epoch);
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseRecvReleased);
-  if (threadIdx.x == 0) end_recv(g, io, gate);
+  if (threadIdx.x == 0) end();
 }
 
 // The frame of every receive kernel: open (block-uniform decision), body(epoch) only when the op works, finish.
@@ -207,7 +218,67 @@ __device__ __forceinline__ void receive_frame(const Params& p, Body body) {
   if (s_gate.work) body(s_gate.epoch);  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseRecvBody);
-  finish_recv(p.c.g, p.io, s_gate);
+  finish_recv(p.c.g, s_gate, gridDim.x * gridDim.y, [&] { end_recv(p.c.g, p.io, s_gate); });
+}
+
+// ---- a fused op in one kernel (dispatch or combine without the split: low_latency_kernels.cu) ----
+// The first `senders` blocks to start (a ticket, SignalHeader::kLowLatencyRoleTicket) play the send, with places
+// 0..senders-1; the others play the receive, with places 0..(grid - senders - 1). The send's last block publishes the
+// flags and writes nothing else; the receive's last block releases "consumed" as a receive does, then ends the op:
+// the role ticket back to 0, the epoch word, the output state (end_fused).
+// NOTE (progress): receive blocks spin on flags. Every send place belongs to a block that has started (places go by
+// ticket), and send blocks wait for nothing but peers' reads of op n-2 (earlier kernels), so every flag a receive
+// block waits for is raised, on this GPU and on every peer.
+// NOTE (one decision): every block decides at its start (send_decision, fused transition) from the input state, the
+// epoch word and its own consumed word, then takes its role ticket (acq_rel: the decision's loads before it). The
+// writers of those words are the receive's last block alone, which goes on after every receive block counted itself
+// done; the last ticket went to a receive block, which acquired every earlier ticket; so every block has decided
+// before any of them is written, and all decide alike.
+// in_flight_device is not changed: the op is never between its send and its receive outside the kernel.
+__device__ __forceinline__ void end_fused(const GroupCtx& g, const ChainIO& io, const Gate& gate) {
+  *low_latency_word(g, SignalHeader::kLowLatencyRoleTicket) = 0u;
+  if (gate.work)
+    *reinterpret_cast<volatile uint32_t*>(low_latency_word(g, SignalHeader::kLowLatencyEpoch)) = gate.epoch;
+  write_state(io, gate);
+}
+
+// Every thread of every block of a fused kernel. send(epoch, place) and receive(epoch, receive_place, receive_blocks)
+// are the bodies (called only when the op works); publish(epoch): the send's last block, after every send block.
+template <typename Send, typename Publish, typename Receive>
+__device__ __forceinline__ void fused_frame(const GroupCtx& g, const ChainIO& io, const char* op, int senders,
+                                            Send send, Publish publish, Receive receive) {
+  __shared__ Gate s_gate;
+  __shared__ int32_t s_role;
+  __shared__ int32_t s_last;
+  phase_begin(g_ll_phases);
+  if (threadIdx.x == 0) {
+    bool device_error = false;
+    send_decision(g, io, true, &s_gate, &device_error);
+    s_role = static_cast<int32_t>(atom_add_acq_rel_gpu(low_latency_word(g, SignalHeader::kLowLatencyRoleTicket), 1u));
+    if (device_error && s_role == 0) print_device_error(g, op);
+  }
+  __syncthreads();
+  const int role = s_role;
+  if (role < senders) {
+    phase_stamp(g_ll_phases, kPhaseSendOpened);
+    if (s_gate.work) send(s_gate.epoch, role);  // block-uniform
+    __syncthreads();
+    phase_stamp(g_ll_phases, kPhaseSendBody);
+    if (!last_block<TicketScope::kGpu>(low_latency_word(g, SignalHeader::kLowLatencySendDone), &s_last,
+                                       static_cast<uint32_t>(senders)))
+      return;
+    phase_stamp(g_ll_phases, kPhaseSendLast);
+    if (s_gate.work) publish(s_gate.epoch);
+    __syncthreads();
+    phase_stamp(g_ll_phases, kPhaseSendPublished);
+    return;
+  }
+  const int receivers = static_cast<int>(gridDim.x) - senders;
+  phase_stamp(g_ll_phases, kPhaseRecvOpened);
+  if (s_gate.work) receive(s_gate.epoch, role - senders, receivers);  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseRecvBody);
+  finish_recv(g, s_gate, static_cast<uint32_t>(receivers), [&] { end_fused(g, io, s_gate); });
 }
 
 }  // namespace jax_ep::low_latency

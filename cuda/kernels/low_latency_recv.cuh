@@ -5,6 +5,7 @@
 //                                               returns how many it sent
 //   void expert_rows(c, half, epoch, e)         combine: wait until expert e's rows for this rank are all here
 // Both are called by one thread each; the bodies order what follows with __syncthreads and read the data with ld.cg.
+// b: the block's place among the receive's blocks (blocks (l, part), and (t, part) for combine).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,11 +38,12 @@ struct PeerWait {
 };
 
 template <typename Wait>
-__device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch, const Wait& wait) {
+__device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, uint32_t epoch, const Wait& wait,
+                                                   const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, H = c.hidden, Tm = c.max_tokens, rows_per_expert = R * Tm;
-  const int l = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int l = b.x, part = b.y, parts = b.ny, tid = threadIdx.x;
   const char* half = self_base(g) + half_offset(c.low_latency, epoch);
   __shared__ int32_t s_off[kMaxGroupRanks + 1];
   __shared__ int32_t s_count[kMaxGroupRanks];
@@ -90,17 +92,18 @@ __device__ __forceinline__ void dispatch_recv_body(const DispatchRecvParams& p, 
 }
 
 template <typename Wait>
-__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch, const Wait& wait) {
+__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch, const Wait& wait,
+                                                  const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int E = c.num_experts, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
-  const int part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int part = b.y, parts = b.ny, tid = threadIdx.x;
   char* half = self_base(g) + half_offset(c.low_latency, epoch);
   __shared__ int32_t s_expert[kMaxTopk];
   __shared__ float s_weight[kMaxTopk];
   const char* rows = half + c.low_latency.rows;
   // T = 0 runs no iteration; the frame's finish_recv still publishes the epoch.
-  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+  for (int t = b.x; t < p.num_tokens; t += b.nx) {
     __syncthreads();  // the previous token's readers of s_expert / s_weight are done
     if (tid < K) {
       const int32_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + tid);

@@ -1,9 +1,10 @@
 // The low-latency dispatch send of both modes (per_expert: low_latency_kernels.cu, per_rank:
-// low_latency_per_rank_kernels.cu's mode), one template: token-major, block b takes tokens b, b + grid, ... For each
-// token it finds its distinct destinations (experts, or ranks in per_rank mode) and its position among the tokens
-// sent to each (token order: the order the receiver packs), reads the row ONCE (fp8: quantizes it once into shared
-// memory) and writes one message per destination. Counts are summed in this rank's LL scratch words (atomics); the
-// last block to finish publishes every count and flag (its threads in parallel) and resets the counters.
+// low_latency_per_rank_kernels.cu's mode), one template: token-major, the send's block b of B (its BlockPlace) takes
+// tokens b, b + B, ... For each token it finds its distinct destinations (experts, or ranks in per_rank mode) and its
+// position among the tokens sent to each (token order: the order the receiver packs), reads the row ONCE (fp8:
+// quantizes it once into shared memory) and writes one message per destination. Counts are summed in this rank's LL
+// scratch words (atomics); the last block to finish publishes every count and flag (its threads in parallel) and resets
+// the counters.
 //   per_expert  message at the owner's slot [l][me][position], header {token}; count and epoch in d_flags[l][me]
 //   per_rank    message at rank d's slot [me][position], header {token, local expert and row position of every
 //               top-k slot (-1 elsewhere)}; counts r_counts[me] (messages) and d_counts[l][me] (rows of each local
@@ -23,7 +24,8 @@
 namespace jax_ep::low_latency {
 
 template <bool kPerRank>
-__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row) {
+__device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, uint32_t epoch, char* s_row,
+                                                   const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, E = c.num_experts, H = c.hidden, K = p.num_topk;
@@ -45,7 +47,7 @@ __device__ __forceinline__ void dispatch_send_body(const DispatchSendParams& p, 
   const int payload_bytes = p.use_fp8 ? H + 4 * (H / kFp8Block) : 2 * H;  // fp8: q then the S scales
   const int nseg_in = (H + kSegChannels - 1) / kSegChannels;
   const int nseg_out = (payload_bytes + kSegBytes - 1) / kSegBytes;
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+  for (int t = b.x; t < T; t += b.nx) {
     if (kPerRank && threadIdx.x < K) s_ids[threadIdx.x] = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + threadIdx.x);
     if (kPerRank) {
       token_slots<true>(p.topk_idx, t, K, E, L, s_dest, s_pos, s_part, s_epos, s_epart);
@@ -137,7 +139,7 @@ __global__ void __launch_bounds__(kSendThreads) low_latency_dispatch_send_kernel
               p.fused ? "low-latency dispatch" : "low-latency dispatch send", &s_gate);
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendOpened);
-  if (s_gate.work) dispatch_send_body<kPerRank>(p, s_gate.epoch, s_row);  // block-uniform
+  if (s_gate.work) dispatch_send_body<kPerRank>(p, s_gate.epoch, s_row, BlockPlace::of_grid());  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendBody);
   if (!last_block<TicketScope::kGpu>(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;

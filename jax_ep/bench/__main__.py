@@ -226,8 +226,11 @@ def low_latency_phases(devices, args, rng):
     from .contenders import low_latency_phase_programs
     from .kernel_times import kernel_times
 
-    # substrings of both modes' kernel names (ll_dispatch_send_kernel, ll_rank_dispatch_send_kernel, ...)
-    patterns = {"LL dispatch send (kernel)": "dispatch_send_kernel",
+    # substrings of both modes' kernel names (ll_dispatch_send_kernel, ll_rank_dispatch_send_kernel, ...); per_expert
+    # runs each fused op as one kernel (send and receive)
+    patterns = {"LL dispatch, send and receive (fused kernel)": "dispatch_fused_kernel",
+                "LL combine, send and receive (fused kernel)": "combine_fused_kernel",
+                "LL dispatch send (kernel)": "dispatch_send_kernel",
                 "LL dispatch recv (kernel)": "dispatch_recv_kernel",
                 "LL combine weight push (kernel)": "combine_push_kernel",
                 "LL combine send (kernel)": "combine_send_kernel",

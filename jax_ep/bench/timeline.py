@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -28,6 +29,9 @@ import jax_ep
 from .contenders import AXIS, _setup
 from .harness import to_global
 from .kernel_times import trace_events
+
+# The kernel that starts a step: the LL dispatch's send (per_rank) or its one fused kernel (per_expert).
+_DISPATCH_START = re.compile(r"dispatch_(send|fused)_kernel")
 
 
 def _program(kind, devices, tokens, hidden, topk, experts, seed, scale=1.0, ll_mode="per_expert"):
@@ -126,14 +130,14 @@ def main(argv=None) -> int:
     procs, threads = _names(events)
     dev = sorted((ev for ev in events if ev.get("ph") == "X" and _is_device(procs.get(ev.get("pid"), ""))),
                  key=lambda ev: ev["ts"])
-    starts = [ev["ts"] for ev in dev if "dispatch_send_kernel" in ev.get("name", "")]
+    starts = [ev["ts"] for ev in dev if _DISPATCH_START.search(ev.get("name", ""))]
     if len(starts) < 3:
         print(f"timeline: found {len(starts)} dispatch-send kernels in the trace; processes: {sorted(set(procs.values()))}")
         return 1
     # one steady step on the first device: from its dispatch send to the next one
-    first_pid = next(ev["pid"] for ev in dev if "dispatch_send_kernel" in ev.get("name", ""))
+    first_pid = next(ev["pid"] for ev in dev if _DISPATCH_START.search(ev.get("name", "")))
     mine = [ev for ev in dev if ev["pid"] == first_pid]
-    sends = [ev["ts"] for ev in mine if "dispatch_send_kernel" in ev.get("name", "")]
+    sends = [ev["ts"] for ev in mine if _DISPATCH_START.search(ev.get("name", ""))]
     lo, hi = sends[-3], sends[-2]
     step = [ev for ev in mine if lo - 50 <= ev["ts"] < hi - 50]
     print(f"\ndevice operations of one step ({procs.get(first_pid, first_pid)}), {hi - lo:.1f} us from send to send:")

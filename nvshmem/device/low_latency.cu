@@ -459,11 +459,13 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     nvshmem_dispatch_recv_kernel(const __grid_constant__ DispatchRecvParams p, int part_bytes) {
   const NvshmemWait wait{dispatch_message_parts(p.use_fp8, p.c.hidden, part_bytes)};
-  nvshmem_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait); });
+  nvshmem_receive_frame(p, [&](uint32_t epoch) { dispatch_recv_body(p, epoch, wait, BlockPlace::of_grid()); });
 }
 
 __global__ void __launch_bounds__(kCombineRecvThreads) nvshmem_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
-  nvshmem_receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, NvshmemWait{1}); });
+  nvshmem_receive_frame(p, [&](uint32_t epoch) {
+    combine_recv_body(p, epoch, NvshmemWait{1}, BlockPlace::of_grid());
+  });
 }
 
 // ---- launchers (the LowLatencyNvshmemOps entries) ------------------------------------------------------------------
@@ -512,7 +514,8 @@ const char* combine_send(const CombineSendParams& p, cudaStream_t stream) {
 
 const char* combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   if (const char* e = refuse_per_rank(p.per_rank)) return e;
-  nvshmem_combine_recv_kernel<<<combine_recv_grid(p), kCombineRecvThreads, 0, stream>>>(with_test_hook(p));
+  const dim3 grid = combine_recv_grid(p, kCombineRecvThreads);
+  nvshmem_combine_recv_kernel<<<grid, kCombineRecvThreads, 0, stream>>>(with_test_hook(p));
   return launch_error("low-latency combine receive (NVSHMEM)");
 }
 

@@ -170,7 +170,8 @@ def test_fp8_row_beyond_shared_memory_is_an_error_naming_hidden():
     """per_rank's dispatch send holds ~2.9 KB of static shared memory beside one quantized row (H + H/32 bytes) in
     the 48 KB a block gets without an opt-in: H=45568 fits the row alone (46992 bytes) but not both. The op fails
     with a message naming hidden and the shared memory, not a bare launch failure; per_expert (~1.7 KB of its own)
-    still fits and matches the reference at that H. (The row size sits 700 bytes inside both bounds.)"""
+    still fits and matches the reference at that H, its fused op as two kernels (the one fused kernel holds ~3.8 KB
+    beside the row). (The row size sits 700 bytes inside both bounds.)"""
     hidden = 45568
     _, mesh, cfgs = _setup("per_rank", 1, hidden)
     try:

@@ -101,6 +101,8 @@ inline RankMask remote_ranks(int rank, int num_ranks, int nvl_domain) {
 //   split recv:  state_in/state_out = the op's state operand/result, token = the op's token operand
 //   fused send:  state_in/state_out = the op's state operand/result, token = the header's fused-token slot
 //   fused recv:  state_in = state_out = nullptr (the send wrote the final state), token = the fused-token slot
+//   (per_expert fused ops on NVLink run as one kernel with the send's io and no token: low_latency_protocol.cuh,
+//   fused_frame)
 struct ChainIO {
   const int32_t* state_in;   // [4] s32 or nullptr
   int32_t* state_out;        // [4] s32 or nullptr

@@ -67,6 +67,9 @@ struct SignalHeader {
   static constexpr int64_t kNextReduceItem = kSingles + 48;
   // u32: role tickets: the first blocks of the kernel to start send, the others reduce.
   static constexpr int64_t kCombineRoleTicket = kSingles + 52;
+  // u32: role tickets of the fused low-latency kernels (low_latency_fused.cuh): the first blocks to start send, the
+  // others receive; the receive's last block puts it back to 0.
+  static constexpr int64_t kLowLatencyRoleTicket = kSingles + 56;
   // u32 [kMaxNvlPeers][kCombineChunks]: arrivals[s][c] = rows of chunk c (rows c * combine_chunk_rows(T_max) ...) that
   // rank s stored into this rank's staging this op, added by a release at system scope after the rows of each item
   // (1-4 rows; one add per chunk the item touches); a chunk is complete at combine_chunk_rows (the warp of rank s's
@@ -103,6 +106,7 @@ constexpr Word kWords[] = {
     {SignalHeader::kCombineSources, 2 * kMaxNvlPeers * SignalHeader::kCombineSourceBytes, 16},
     {SignalHeader::kNextReduceItem, 4, 4},
     {SignalHeader::kCombineRoleTicket, 4, 4},
+    {SignalHeader::kLowLatencyRoleTicket, 4, 4},
     {SignalHeader::kCombineArrivals, 4 * kMaxNvlPeers * kCombineChunks, 4},
 };
 

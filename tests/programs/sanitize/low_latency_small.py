@@ -1,7 +1,7 @@
 """A small low-latency run for compute-sanitizer (memcheck / racecheck): R = every GPU (1, 2, 4 or 8),
-T=16, H=256, K=4, E=8; fp8 and bf16 dispatch, combine, the split phases and a chain threading a LowLatencyState,
-three rounds with new routing, on the CUDA backend via jax_ep.initialize. Checks recv_count against NumPy and
-prints 'low_latency_small: OK' at the end.
+T=16, H=256, K=4, E=8; fp8 and bf16 dispatch (also of one token: per_expert runs that as one kernel), combine,
+the split phases and a chain threading a LowLatencyState, three rounds with new routing, on the CUDA backend via
+jax_ep.initialize. Checks recv_count against NumPy and prints 'low_latency_small: OK' at the end.
 
     compute-sanitizer --tool memcheck --kernel-name kns=low_latency_ \
         python3 tests/programs/sanitize/low_latency_small.py [per_rank]
@@ -57,7 +57,8 @@ def main(mode: str = "per_expert"):
         p, st = jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False, state=st)
         c, st = jax_ep.low_latency_dispatch_recv(p, cfg, state=st)
         y3, st = jax_ep.low_latency_combine(c.recv_x, idx, w, c.handle, cfg, state=st)
-        return a.recv_count, b.recv_count, y, y2, y3, st.value
+        one, st = jax_ep.low_latency_dispatch(x[:1], idx[:1], cfg, use_fp8=True, state=st)
+        return a.recv_count, b.recv_count, one.recv_count, y, y2, y3, st.value
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
     rng = np.random.default_rng(0)
@@ -68,12 +69,15 @@ def main(mode: str = "per_expert"):
         w = rng.random(size=idx.shape).astype(np.float32)
         # global arrays and gathered results: the same code in one process and in one process per GPU
         outs = f(*(_global(v, mesh) for v in (x, idx, w)))
-        c8, c16, y, y2, y3, st = (np.asarray(v) for v in multihost_utils.process_allgather(outs, tiled=True))
+        c8, c16, c1, y, y2, y3, st = (np.asarray(v) for v in multihost_utils.process_allgather(outs, tiled=True))
         jax_ep.check_low_latency_state(st)
-        assert (np.asarray(st).reshape(-1, 4) == [6, 0, 0, 0]).all(), st
+        assert (np.asarray(st).reshape(-1, 4) == [7, 0, 0, 0]).all(), st
         assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y3).view(np.uint16))
         expect = [int((idx == e).sum()) for e in range(E)]  # rows per expert (no repeats in this routing)
         assert c8.tolist() == expect and c16.tolist() == expect, (c8, c16, expect)
+        first = idx[::T]  # each rank's first token
+        expect1 = [int((first == e).sum()) for e in range(E)]
+        assert c1.tolist() == expect1, (c1, expect1)
         assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y2).view(np.uint16))
         print(f"round {round_}: recv_count {expect}")
     jax_ep.finalize()
