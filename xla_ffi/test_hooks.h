@@ -23,10 +23,10 @@ inline AbsentRank read_absent_rank() {
   return h;
 }
 
-// JAX_EP_TEST_ABSENT_RANK=r[:n]: the device of rank r launches nothing from its (n+1)-th kernel launch on (n = 0
-// when omitted): its ops return at once, as if its kernels never arrived, so its peers' device waits time out (the
-// fault case "one GPU's kernel never arrives" in a process driving several GPUs). It counts handler calls, so
-// XLA command buffers (replays call no handler) must be off. Unset: never absent.
+// JAX_EP_TEST_ABSENT_RANK=r[:n]: the device of rank r launches nothing from its (n+1)-th kernel-launching handler call
+// on (n = 0 when omitted; a fused op is one call): its ops return at once, as if its kernels never arrived, so its
+// peers' device waits time out (the fault case "one GPU's kernel never arrives" in a process driving several GPUs). It
+// counts handler calls, so XLA command buffers (replays call no handler) must be off. Unset: never absent.
 inline bool absent(int32_t rank) {
   static const AbsentRank hook = read_absent_rank();
   static std::atomic<int64_t> launches{0};

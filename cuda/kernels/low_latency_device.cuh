@@ -305,7 +305,8 @@ inline int combine_send_blocks(const CombineSendParams& p) {
 // Combine receive: blocks (token, part) of `threads` threads, parts splitting H/8 vectors over a token's blocks.
 // INVARIANT (no starvation): its blocks spin on peers' flags, so the grid never exceeds one wave of
 // kExpertBlocksPerSm blocks per SM (resident, and leaving room for other streams' kernels); blocks walk the tokens
-// t = x, x + blocks, ... (BlockPlace)
+// t = x, x + blocks, ... (BlockPlace). In a fused kernel these are the receive places beside the send's, and
+// progress rests on the role tickets instead (low_latency_protocol.cuh, fused_frame).
 inline dim3 combine_recv_grid(const CombineRecvParams& p, int threads) {
   const int max_parts = std::max(1, (p.c.hidden / 8 + threads - 1) / threads);
   const int blocks = std::max(1, std::min(p.num_tokens, kExpertBlocksPerSm * sm_count_or_default(p.c)));

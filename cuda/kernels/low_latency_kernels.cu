@@ -22,6 +22,10 @@
 // for latency, one kernel launch less. They only wait for kernels that were queued before them on every GPU, and
 // their grids are at most one wave (one_wave_blocks, combine_recv_grid), so no block waits for one that cannot be
 // scheduled. A full wave may hold most of an SM's registers; other streams' kernels then wait for it to end.
+// The fused kernels (send and receive places in one grid, which may exceed a wave) rely instead on the order of
+// their role tickets: every send place belongs to a block that has started, and send blocks wait for no receive
+// (low_latency_protocol.cuh, fused_frame). Their receive blocks are resident when the flags land only where the
+// grid fits a wave (small T).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 

@@ -67,8 +67,9 @@ struct SignalHeader {
   static constexpr int64_t kNextReduceItem = kSingles + 48;
   // u32: role tickets: the first blocks of the kernel to start send, the others reduce.
   static constexpr int64_t kCombineRoleTicket = kSingles + 52;
-  // u32: role tickets of the fused low-latency kernels (low_latency_fused.cuh): the first blocks to start send, the
-  // others receive; the receive's last block puts it back to 0.
+  // u32: role tickets of the fused low-latency kernels (low_latency_protocol.cuh, fused_frame): the first blocks to
+  // start send, the others receive; the receive's last block puts it back to 0. Like the LL done counters and the
+  // epoch word, it assumes the LL kernels of one buffer run one at a time (one stream's order).
   static constexpr int64_t kLowLatencyRoleTicket = kSingles + 56;
   // u32 [kMaxNvlPeers][kCombineChunks]: arrivals[s][c] = rows of chunk c (rows c * combine_chunk_rows(T_max) ...) that
   // rank s stored into this rank's staging this op, added by a release at system scope after the rows of each item
