@@ -35,7 +35,8 @@ steps:
   low-latency-ab     low-latency bench of the tree in OLD, then of this one, each built, at EP2 with --nvl 8 and 1
   chain-ab           kernel periods of the tree in OLD against this one, one process on every GPU: both built as
                      wheels into SCRATCH, then REPS rounds of python3 -m jax_ep.bench.chain_gaps CHAIN_ARGS with
-                     JAX_EP_TEST_PHASES=1, new then old; the editable install of this tree is restored after
+                     JAX_EP_TEST_PHASES=1, new then old (TREES="tag:dir ...": those trees instead, in that order);
+                     the editable install of this tree is restored after
   shared-gpu         groups larger than the GPUs (launch --processes-per-gpu) under the CUDA MPS daemon (started as
                      a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
   shared-gpu-bench   the per-op fixed cost (T=1, jax_ep only, nodes of 8) of each of BENCH_MODES for groups of
@@ -68,7 +69,8 @@ variables (default):
   BENCH_ARGS  more arguments of bench (default: its GPU defaults)
   BENCH_MODES (low_latency normal)  LOW_LATENCY_TOKENS (1,32,128)  TOKENS (4096, normal mode)  PUT_SWEEP (none)
   REPS (3)  CONFIGS (nvl8 nvl1; nvl1:BYTES = --nvl 1 with JAX_EP_LOW_LATENCY_PUT_BYTES=BYTES)  CALLS (100)  LOOPS (10)
-  OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)  CHAIN_ARGS (--ll-tokens 1,128 --only
+  OLD (ab_old; e.g. `git archive REV | tar -x -C ab_old`)  ORDER (old new)  TREES (chain-ab: new:. old:$OLD)
+  CHAIN_ARGS (--ll-tokens 1,128 --only
      "jax_ep LL dispatch fp8,jax_ep LL combine"; e.g. --mode normal --tokens 256,4096 --only "jax_ep dispatch bf16")
   DEEPEP (.gpu_tmp/deepep)  DEEPEP_N (every GPU)
   SHARED_K (larger_than_the_gpus)  SHARED_LIMIT (500 s)  SHARED_RANKS (16 32; 64 on 4 GPUs)  WARMUP_AB (0)  FIRST_CALL_ARGS  more args of first_call
@@ -250,16 +252,22 @@ ab_wheel() {  # TAG DIR: DIR built as a wheel, installed into SCRATCH/site_TAG (
     "$PY" -m pip install -q --no-deps --no-compile --target "$SCRATCH/site_$1" "$SCRATCH/wheels_$1"/jax_ep-*.whl
 }
 step_chain_ab() {
-  local tag rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
-  local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine")
+  local tag dir tree rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
+  local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine") tags=()
   # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'.
   # It is evaluated: $(...) or ; inside it would run (it is the caller's own environment)
   [ -z "${CHAIN_ARGS:-}" ] || eval "chain_args=($CHAIN_ARGS)"
   [[ $old == /* ]] || old=$ROOT/$old
-  run "wheel old" 300 ab_wheel old "$old" && run "wheel new" 300 ab_wheel new "$ROOT" || return
+  # TREES: "tag:dir ..." (dirs relative to the repository root), each built as a wheel and timed in turn, in order
+  for tree in ${TREES:-new:. old:$old}; do
+    tag=${tree%%:*} dir=${tree#*:}
+    [[ $dir == /* ]] || dir=$ROOT/$dir
+    run "wheel $tag" 300 ab_wheel "$tag" "$dir" || return
+    tags+=("$tag")
+  done
   run "uninstall editable" 60 "$PY" -m pip uninstall -y -q jax_ep  # it would shadow PYTHONPATH
   for rep in $(seq 1 "${REPS:-2}"); do
-    for tag in new old; do
+    for tag in "${tags[@]}"; do
       PREFIX="$tag $rep: "
       run "chain_gaps $tag $rep" 150 env -C "$SCRATCH" PYTHONPATH="$SCRATCH/site_$tag" JAX_EP_TEST_PHASES=1 "$PY" -m \
         jax_ep.bench.chain_gaps "${chain_args[@]}"

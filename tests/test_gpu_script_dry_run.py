@@ -68,3 +68,16 @@ def test_chain_ab_reads_chain_args_as_shell_words():
     assert len(lines) == 1, proc.stdout[-2000:]
     assert lines[0].endswith("jax_ep.bench.chain_gaps --ll-tokens 1 --ll-mode per_expert,per_rank --only "
                              "'jax_ep LL dispatch fp8,jax_ep LL combine'"), lines[0]
+
+
+def test_chain_ab_times_every_tree_of_trees_in_order():
+    """TREES="tag:dir ..." builds each tree as its own wheel (relative dirs from the repository root) and times them
+    in that order every round."""
+    env = dict(os.environ, DRY_RUN="1", REPS="2", TREES="base:ab_old v1:.gpu_tmp/v1 cur:.")
+    proc = subprocess.run(["bash", str(SCRIPT), "chain-ab"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    wheels = [line.split("pip wheel ")[1].split(" ->")[0] for line in proc.stdout.splitlines() if "] pip wheel " in line]
+    assert wheels == [f"{ROOT}/ab_old", f"{ROOT}/.gpu_tmp/v1", f"{ROOT}/."], wheels
+    runs = [line.split("[chain_gaps ")[1].split(",")[0] for line in proc.stdout.splitlines() if "[chain_gaps " in line]
+    assert runs == ["base 1", "v1 1", "cur 1", "base 2", "v1 2", "cur 2"], runs
