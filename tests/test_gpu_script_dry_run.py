@@ -77,7 +77,8 @@ def test_chain_ab_times_every_tree_of_trees_in_order():
     proc = subprocess.run(["bash", str(SCRIPT), "chain-ab"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    wheels = [line.split("pip wheel ")[1].split(" ->")[0] for line in proc.stdout.splitlines() if "] pip wheel " in line]
+    lines = proc.stdout.splitlines()
+    wheels = [line.split("pip wheel ")[1].split(" ->")[0] for line in lines if "] pip wheel " in line]
     assert wheels == [f"{ROOT}/ab_old", f"{ROOT}/.gpu_tmp/v1", f"{ROOT}/."], wheels
-    runs = [line.split("[chain_gaps ")[1].split(",")[0] for line in proc.stdout.splitlines() if "[chain_gaps " in line]
+    runs = [line.split("[chain_gaps ")[1].split(",")[0] for line in lines if "[chain_gaps " in line]
     assert runs == ["base 1", "v1 1", "cur 1", "base 2", "v1 2", "cur 2"], runs
