@@ -10,6 +10,12 @@ def _ev(name, ts, dur, pid=1):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": pid}
 
 
+def _calls(namespace, call, period, n=4):
+    """n copies of one call's (kernel, start, duration) list, `period` us apart, named as the profiler names them."""
+    return [_ev(f"void {namespace}::(anonymous namespace)::{k}(P)", ts + period * i, d)
+            for i in range(n) for k, ts, d in call]
+
+
 def test_short_name_drops_namespaces_templates_and_parameters():
     assert short_name("void jax_ep::nvshmem::(anonymous namespace)::nvshmem_dispatch_send_kernel(DispatchSendParams, int)") \
         == "nvshmem_dispatch_send_kernel"
@@ -62,27 +68,21 @@ def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     # by the pull reduce and its wait); the reduce kernel must not count as a second start of the call
     nvlink = [("combine_publish_barrier_kernel", 0, 4), ("combine_push_kernel<__nv_bfloat16>", 5, 2),
               ("combine_reduce_kernel<__nv_bfloat16>", 8, 500), ("combine_wait_kernel", 509, 1)]
-    ops = [_ev(f"void jax_ep::normal::(anonymous namespace)::{n}(P)", ts + 520 * i, d)
-           for i in range(3) for n, ts, d in nvlink]
-    assert gap_report(ops)[2] == 520
+    assert gap_report(_calls("jax_ep::normal", nvlink, 520, n=3))[2] == 520
 
 
 def test_period_of_per_rank_low_latency_combine_counts_push_and_send_as_one_call():
     # weight push (4 us), send (23 us), receive (11 us) per call, 40 us apart: the push is not a start of its own
     call = [("low_latency_per_rank_combine_push_kernel", 0, 4), ("low_latency_per_rank_combine_send_kernel", 5, 23),
             ("low_latency_per_rank_combine_recv_kernel", 29, 11)]
-    ops = [_ev(f"void jax_ep::low_latency::per_rank::(anonymous namespace)::{n}(P)", ts + 40 * i, d)
-           for i in range(4) for n, ts, d in call]
-    assert gap_report(ops)[2] == 40
+    assert gap_report(_calls("jax_ep::low_latency::per_rank", call, 40))[2] == 40
 
 
 def test_period_of_per_expert_low_latency_ops_from_their_one_fused_kernel():
     # per_expert runs each fused op as one kernel: dispatch (27 us, then a 2 us fusion) and combine (28 us), 30 us apart
     call = [("low_latency_dispatch_fused_kernel", 0, 27), ("loop_convert_fusion", 27, 2),
             ("low_latency_combine_fused_kernel", 30, 28)]
-    ops = [_ev(f"void jax_ep::low_latency::(anonymous namespace)::{n}(P)", ts + 60 * i, d)
-           for i in range(4) for n, ts, d in call]
-    durs, _, period = gap_report(ops)
+    durs, _, period = gap_report(_calls("jax_ep::low_latency", call, 60))
     assert period == 30  # dispatch start to combine start, and combine start to the next dispatch start
     assert durs["low_latency_dispatch_fused_kernel"] == [27.0] * 4
 

@@ -20,7 +20,6 @@ struct BlockPlace {
     return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
             static_cast<int>(gridDim.y)};
   }
-  __device__ __forceinline__ int blocks() const { return nx * ny; }
   // Warps of a 1-D place, numbered across its blocks.
   __device__ __forceinline__ int global_warp() const { return (x * static_cast<int>(blockDim.x) + threadIdx.x) >> 5; }
   __device__ __forceinline__ int num_global_warps() const { return (nx * static_cast<int>(blockDim.x)) >> 5; }
