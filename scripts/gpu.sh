@@ -60,7 +60,7 @@ variables (default):
   KEEP_MODULES=1  copy the built .so files to the logs       PYTHON (python3)
   SCRATCH (/tmp/jax_ep_gpu)  bench results and per-process logs, kept out of $OUT
   N (2)  processes (= GPUs) of sanitize and bench-nvshmem     GPUS (all)  first-call's one-per-GPU runs
-  SUITE_FILES (tests/test_native_build.py tests/gpu/test_*.py but test_multiprocess_cuda.py)  SUITE_LIMIT (200 s)
+  SUITE_FILES (tests/test_native_build.py tests/gpu/test_*.py but test_multiprocess_cuda.py)  SUITE_LIMIT (300 s)
   MP_K  multiprocess as one run: pytest -k MP_K
   SAN_TOOLS (memcheck racecheck)  SAN_PROGRAMS (intranode low_latency normal device_check)
   SAN_KERNELS (kns=nvshmem_)  --kernel-name of the NVSHMEM programs ("" = every kernel; intranode: kns=jax_ep,
@@ -124,7 +124,7 @@ n.available(), n.load_error()); print('nvshmem:', m.availability()); sys.exit(no
 }
 step_suite() {
   local f files=${SUITE_FILES:-tests/test_native_build.py $(ls tests/gpu/test_*.py | grep -v multiprocess_cuda)}
-  for f in $files; do run "suite $(basename "$f" .py)" "${SUITE_LIMIT:-200}" "${PYTEST[@]}" "$f"; done
+  for f in $files; do run "suite $(basename "$f" .py)" "${SUITE_LIMIT:-300}" "${PYTEST[@]}" "$f"; done
 }
 step_multiprocess() {
   local f=tests/gpu/test_multiprocess_cuda.py nv="nvshmem or two_launchers or across"

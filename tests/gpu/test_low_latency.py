@@ -123,9 +123,10 @@ def test_dispatch_matches_reference(ranks, tokens, use_fp8, split, mode):
 
 
 # Shapes the default ones miss: fp8 rows whose scales are not a multiple of 16 bytes (H % 512 != 0), one segment
-# (H=128), the decode shape (H=7168), token counts that are not a multiple of a warp.
+# (H=128), the decode shape (H=7168), token counts that are not a multiple of a warp; one token (the fused one-kernel
+# dispatch, with an odd count of fp8 scales at H=128 and H=384).
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("hidden,tokens", [(128, 37), (384, 5), (7168, 33)])
+@pytest.mark.parametrize("hidden,tokens", [(128, 37), (384, 5), (7168, 33), (128, 1), (384, 1), (7168, 1)])
 @pytest.mark.parametrize("use_fp8", [True, False])
 def test_dispatch_matches_reference_shapes(ranks, hidden, tokens, use_fp8):
     _check_dispatch("per_expert", ranks, tokens, use_fp8, hidden, False)
@@ -291,14 +292,24 @@ def _scan_program(cfg, mesh, steps, tokens, use_fp8):
 @pytest.mark.parametrize("use_fp8", [True, False])
 @pytest.mark.parametrize("steps", [2, 100])
 def test_scan_consecutive_calls_changing_routing(steps, use_fp8, mode):
+    _check_scan(steps, 64, use_fp8, mode)
+
+
+# One-token calls (the fused one-kernel dispatch): the same slots reused op after op, routing changing every step
+@pytest.mark.parametrize("mode", MODES)
+def test_scan_one_token_calls_changing_routing(mode):
+    _check_scan(100, 1, True, mode)
+
+
+def _check_scan(steps, tokens, use_fp8, mode):
     R, mesh, cfgs = _setup(mode)
-    x = jnp.asarray(np.random.default_rng(11).normal(size=(R * 64, H)), jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(11).normal(size=(R * tokens, H)), jnp.bfloat16)
     key = jax.random.key_data(jax.random.key(steps))[None]
-    compiled = _scan_program(cfgs["cuda"], mesh, steps, 64, use_fp8).lower(x, key).compile()
+    compiled = _scan_program(cfgs["cuda"], mesh, steps, tokens, use_fp8).lower(x, key).compile()
     print("XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""), "| command buffers in compiled HLO:",
           compiled.as_text().count("command_buffer"))
     t_c, y_c, n_c = jax.device_get(compiled(x, key))
-    t_r, y_r, n_r = jax.device_get(_scan_program(cfgs["reference"], mesh, steps, 64, use_fp8)(x, key))
+    t_r, y_r, n_r = jax.device_get(_scan_program(cfgs["reference"], mesh, steps, tokens, use_fp8)(x, key))
     np.testing.assert_array_equal(n_c, n_r)
     np.testing.assert_array_equal(t_c, t_r)
     # fp8 codes may differ by one step from XLA's conversion: allow a few bf16 ulps of the largest value
