@@ -69,6 +69,9 @@ def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     nvlink = [("combine_publish_barrier_kernel", 0, 4), ("combine_push_kernel<__nv_bfloat16>", 5, 2),
               ("combine_reduce_kernel<__nv_bfloat16>", 8, 500), ("combine_wait_kernel", 509, 1)]
     assert gap_report(_calls("jax_ep::normal", nvlink, 520, n=3))[2] == 520
+    # the NVLink dispatch through staging: notify, one send-and-copy kernel, the one-warp wait
+    staged = [("dispatch_notify_kernel", 0, 17), ("send_copy_kernel", 18, 510), ("wait_data_kernel", 529, 1)]
+    assert gap_report(_calls("jax_ep::normal", staged, 540, n=3))[2] == 540
 
 
 def test_period_of_per_rank_low_latency_combine_counts_push_and_send_as_one_call():

@@ -129,6 +129,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     p.num_topk = static_cast<int32_t>(K);
     p.num_experts = num_experts;
     p.capacity = static_cast<int32_t>(C);
+    p.max_tokens_per_rank = max_tokens_per_rank;
     p.row_bytes = static_cast<int32_t>(row_bytes);
     p.scale_cols = static_cast<int32_t>(S);
     p.num_sms = num_sms;
@@ -216,6 +217,7 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t ordinal, OpState* st, Any
     p.num_tokens = static_cast<int32_t>(T);
     p.num_weights = static_cast<int32_t>(Kw);
     p.capacity = static_cast<int32_t>(C);
+    p.max_tokens_per_rank = a.max_tokens_per_rank;
     p.row_bytes = static_cast<int32_t>(row_bytes);
     p.num_sms = a.num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);

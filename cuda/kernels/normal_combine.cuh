@@ -69,12 +69,6 @@ __global__ void __launch_bounds__(32, 1) combine_wait_kernel(const __grid_consta
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Push combine's arrival counter of (rank `from`'s rows, chunk c) in the staging at `base` (signal_header.h:
-// kCombineArrivals).
-__device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int c) {
-  return header_word(base, SignalHeader::kCombineArrivals + 4 * (static_cast<int64_t>(from) * kCombineChunks + c));
-}
-
 // y[t] for the columns of chunk c (kReduceVecs 16-byte vectors: 4 per lane, 2 KB of bf16) = the sum over ranks r
 // (ascending) that kept token t of r's term, accumulated in f32. r's term is the row of token t in r's `values` (row
 // send_row_offset[r] + send_pos[t, r]: where dispatch placed the token on r):
@@ -82,7 +76,7 @@ __device__ __forceinline__ uint32_t* combine_arrivals(char* base, int from, int 
 //   - pull mode: read from r's `values` through the peer mapping (s_src[r], its CombineSource);
 //   - push mode: r's slot of token t in the staging (combine_slot), where r's send copied it; with chunk_rows > 0
 //     (combine_push_kernel) lane r first waits until r's chunk of rows holding the token is complete
-//     (combine_arrivals), else every rank's rows are in already (the NVSHMEM kernels' send and wait ran before);
+//     (row_arrivals), else every rank's rows are in already (the NVSHMEM kernels' send and wait ran before);
 //     node-first combine: a remote node's ranks are one term, its partial row in fwd_rows.
 // Every way reads the same numbers in the same order, so the result does not depend on the mode. One warp. Per lane,
 // all loads of a rank are issued before its adds; ranks are summed in ascending order (the order the reference uses),
@@ -125,7 +119,7 @@ __device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c
       // (clamped: a handle not from dispatch may hold sp >= T_max; its wait then times out instead of reading past
       // the counters)
       if (chunk_rows > 0 && kept && q != me)
-        wait_reached(combine_arrivals(self, q, min(sp / chunk_rows, kCombineChunks - 1)),
+        wait_reached(row_arrivals(self, q, min(sp / chunk_rows, kArrivalChunks - 1)),
                      static_cast<uint32_t>(chunk_rows), g.timeout_ns, "combine (rows from peers)", me, q, backoff_ns);
     }
     if (chunk_rows > 0) __syncwarp();  // orders each waiting lane's acquire before every lane's loads below
@@ -233,13 +227,10 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 //
 // NOTE (progress): reducer blocks spin, so every sender block of this kernel must run: roles go by the order in which
 // blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders; and a peer's senders never
-// wait for anything, so every chunk a reducer waits for completes. The grid (push_combine_grid: num_sms senders and
+// wait for anything, so every chunk a reducer waits for completes. The grid (two_role_grid: num_sms senders and
 // max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's 132 SMs, so
 // kernels on other streams of this GPU still find SMs while the reducers wait.
 constexpr int kMaxRowsPerItem = 4;
-// Pause between two reads of an arrival counter that was not yet complete: a reducer warp that polls without one
-// slows the senders' NVLink stores of the same GPU (measured: docs/BENCHMARKS.md, "Where the time goes").
-constexpr uint32_t kArrivalBackoffNs = 500;
 
 template <typename Elem>
 __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid_constant__ CombineParams p,
@@ -250,8 +241,8 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
   phase_begin(g_normal_phases);
   const int R = g.num_ranks, me = g.rank, lane = lane_id();
   char* self = self_base(g);
-  const int chunk_rows = combine_chunk_rows(p.max_tokens_per_rank);
-  if (threadIdx.x == 0) s_role = static_cast<int32_t>(atomicAdd(header_word(self, SignalHeader::kCombineRoleTicket), 1u));
+  const int chunk_rows = arrival_chunk_rows(p.max_tokens_per_rank);
+  if (threadIdx.x == 0) s_role = static_cast<int32_t>(atomicAdd(header_word(self, SignalHeader::kRoleTicket), 1u));
   __syncthreads();
   const int role = s_role;
   if (role < senders) {
@@ -266,7 +257,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
     for (int64_t j = first_item(q); j < total; j = next_item(q, total)) {
       const int from = (me + 1 + static_cast<int>(j % num_src)) % R;
       // a source sends this rank at most T_max rows (one per token): more means a handle not from dispatch, whose
-      // extra rows are not sent (their chunks would lie past kCombineChunks)
+      // extra rows are not sent (their chunks would lie past kArrivalChunks)
       const int32_t k0 = static_cast<int32_t>(j / num_src) * per,
                     n = min(s_end[from] - s_begin[from], p.max_tokens_per_rank);
       int pending_c = -1;
@@ -275,7 +266,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
         const int c = k / chunk_rows;
         if (c != pending_c && pending != 0) {
           __syncwarp();
-          if (lane == 0) red_add_release_sys(combine_arrivals(peer_base(g, from), me, pending_c), pending);
+          if (lane == 0) red_add_release_sys(row_arrivals(peer_base(g, from), me, pending_c), pending);
           pending = 0;
         }
         pending_c = c;
@@ -287,13 +278,13 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
       }
       if (pending != 0) {
         __syncwarp();
-        if (lane == 0) red_add_release_sys(combine_arrivals(peer_base(g, from), me, pending_c), pending);
+        if (lane == 0) red_add_release_sys(row_arrivals(peer_base(g, from), me, pending_c), pending);
       }
     }
     __syncthreads();
     phase_stamp(g_normal_phases, kPhaseCombineSendBlockDone);
   } else {
-    const ItemQueue q{header_word(self, SignalHeader::kNextReduceItem), static_cast<int>(gridDim.x) - senders,
+    const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
                       role - senders};
     reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs);
     __syncthreads();
@@ -304,11 +295,11 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
   if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
   if (threadIdx.x == 0) {
     *header_word(self, SignalHeader::kNextItem) = 0u;
-    *header_word(self, SignalHeader::kNextReduceItem) = 0u;
-    *header_word(self, SignalHeader::kCombineRoleTicket) = 0u;
+    *header_word(self, SignalHeader::kNextReceiveItem) = 0u;
+    *header_word(self, SignalHeader::kRoleTicket) = 0u;
   }
   const int used = (p.max_tokens_per_rank + chunk_rows - 1) / chunk_rows;
-  for (int i = threadIdx.x; i < R * used; i += blockDim.x) *combine_arrivals(self, i / used, i % used) = 0u;
+  for (int i = threadIdx.x; i < R * used; i += blockDim.x) *row_arrivals(self, i / used, i % used) = 0u;
   phase_stamp(g_normal_phases, kPhaseReduceLastBlockDone);
 }
 

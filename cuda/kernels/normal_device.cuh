@@ -282,6 +282,15 @@ struct Pack<float> {
   }
 };
 
+// The arrival counter of (rank `from`'s rows, chunk c) in the staging at `base` (signal_header.h: kRowArrivals).
+__device__ __forceinline__ uint32_t* row_arrivals(char* base, int from, int c) {
+  return header_word(base, SignalHeader::kRowArrivals + 4 * (static_cast<int64_t>(from) * kArrivalChunks + c));
+}
+
+// Pause between two reads of an arrival counter that was not yet complete: a receiving warp that polls without one
+// slows the senders' NVLink stores of the same GPU (measured: docs/BENCHMARKS.md, "Where the time goes").
+constexpr uint32_t kArrivalBackoffNs = 500;
+
 // Combine, every thread of a block: the rows [s_begin[s], s_end[s]) of staging that came from rank s (the handle's
 // recv_rank_counts, cut by the capacity) and s_span = the most rows of any other rank. Shared-memory outputs.
 __device__ __forceinline__ void combine_source_spans(const CombineParams& p, int32_t* s_begin, int32_t* s_end,

@@ -1,19 +1,21 @@
 // Normal mode (training, prefill): dispatch / cached dispatch / combine between the GPUs of a group over NVLink
 // (peer pointers from either process model, cuda/transport/peer.cuh).
 //
-// Dispatch:  layout + count exchange -> direct-addressed row writes -> per-destination completion signal -> local
-//            copy-out of staging into XLA's outputs (this rank's own rows from its inputs), or with direct receive
-//            (one process, RecvTargets) row writes straight into the destination's outputs, the padding rows written
-//            by the send kernel after its tokens.
+// Dispatch:  layout + count exchange -> one kernel: direct-addressed row writes into the destinations' staging
+//            (counted per chunk of rows) while other blocks of it copy this rank's staging into XLA's outputs as the
+//            rows land (this rank's own rows from its inputs) -> per-destination completion signal; or with direct
+//            receive (one process, RecvTargets) row writes straight into the destination's outputs, the padding rows
+//            written by the send kernel after its tokens.
 // Combine:   publish + barrier -> push mode: one kernel, rows back into the sources' staging (counted per chunk
 //            of rows) while other blocks of it reduce from staging each token whose rows are in;
 //            pull mode (one process, every rank published its CombineSource): reduce reading the peers' inputs,
 //            then "done reading" signals.
-// Cached dispatch: barrier -> row writes into staging -> signal -> copy-out.
+// Cached dispatch: barrier -> row writes into staging with the copy-out under them -> signal.
 // Rows are written at fixed positions known after the count exchange (send_row_offset[d] + send_pos[t, d]), so
 // there are no ring queues and no head/tail handshakes; rows beyond the capacity are never written.
 // Where XLA's buffers are not addressable by the peers (one process per GPU, other allocators: xla_ffi/
-// direct_buffers.h) the staging path serves; it moves the same bytes over NVLink plus one local pass.
+// direct_buffers.h) the staging path serves; it moves the same bytes over NVLink plus one local pass, which runs
+// under the sends.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -44,10 +46,12 @@ constexpr int kUnroll = 4;         // 16-byte vectors in flight per lane per ste
 // Barrier kernel (cached dispatch, combine, group warm-up).
 __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ GroupCtx g) { group_barrier_block(g, "barrier"); }
 
-// Waits until every rank has signalled that its rows for this op are in this rank's staging.
-// NOTE: waiting happens in this one-warp kernel, never inside the wide copy / reduce kernels that follow it in
-// stream order: a grid of spinning blocks could starve kernels on other streams of this GPU (e.g. an NCCL
-// collective of the same program) that a peer is waiting for, and deadlock the group. Only one block ever spins.
+// Waits until every rank has signalled that its send of this op has ended (all its rows are in this rank's staging
+// or outputs).
+// NOTE: waiting happens in one-warp kernels like this one, never inside a wide kernel, except in the receiving
+// blocks of the two-role kernels (send_copy_kernel, combine_push_kernel: their NOTEs): a grid of spinning blocks
+// could starve kernels on other streams of this GPU (e.g. an NCCL collective of the same program) that a peer is
+// waiting for, and deadlock the group.
 __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant__ GroupCtx g) {
   const uint32_t epoch = current_epoch(g);
   for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)
@@ -163,10 +167,43 @@ __device__ __forceinline__ void store_padding_row(const SendArgs& a, int32_t row
   if (lane == 0 && a.pad.src_rank != nullptr) a.pad.src_rank[row] = -1;
 }
 
-// Row sending (dispatch and cached dispatch): work items (next_item) are the tokens, one warp each, 16-byte vectors
-// each loaded once and stored to every destination of the token (normal_device.cuh), then with a.pad this rank's
-// padding rows. With a.direct, a destination that published its outputs (RecvTargets::rows != nullptr) gets its rows
-// there.
+// Dispatch through staging with copiers (send_copy_kernel, a.arrival_chunk_rows > 0): after a warp's stores of a
+// token, lane d adds 1 to the arrivals of (this rank, chunk of the row) at destination d: a release at system scope,
+// cumulative over every lane's stores through the __syncwarp. rows: token_rows of first = 0.
+template <int kSlots>
+__device__ __forceinline__ void count_token_rows(const SendArgs& a, const int32_t* rows) {
+  __syncwarp();
+  const int lane = lane_id();
+  int32_t row = -1;
+#pragma unroll
+  for (int d = 0; d < kSlots; ++d)
+    if (lane == d) row = rows[d];
+  if (row < 0) return;
+  // a source's rows below the capacity number at most min(T_max, capacity) (SendArgs): the chunk is below
+  // kArrivalChunks (clamped all the same)
+  const int c = min((row - __ldg(a.send_row_offset + lane)) / a.arrival_chunk_rows, kArrivalChunks - 1);
+  red_add_release_sys(row_arrivals(peer_base(a.g, lane), a.g.rank, c), 1u);
+}
+
+// Row sending (dispatch and cached dispatch): work items (next_item of q) are the tokens, one warp each, 16-byte
+// vectors each loaded once and stored to every destination of the token (normal_device.cuh), then with a.pad this
+// rank's padding rows [received, capacity). With targets (a.direct), a destination that published its outputs
+// (RecvTargets::rows != nullptr) gets its rows there.
+__device__ __forceinline__ void send_items(const SendArgs& a, const ItemQueue& q, const RecvTargets* targets,
+                                           int32_t received) {
+  const int items = a.num_tokens + (a.pad.rows != nullptr ? a.capacity - received : 0);
+  for (int i = first_item(q); i < items; i = static_cast<int>(next_item(q, items))) {
+    if (i >= a.num_tokens) {
+      store_padding_row(a, received + (i - a.num_tokens));
+      continue;
+    }
+    int32_t rows[kMaxNvlPeers];
+    token_rows<kMaxNvlPeers>(a, i, 0, rows);
+    store_token<kMaxNvlPeers>(a, i, 0, rows, targets);
+    if (a.arrival_chunk_rows > 0) count_token_rows<kMaxNvlPeers>(a, rows);
+  }
+}
+
 __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid_constant__ SendArgs a) {
   // the NVLink path runs for R <= kMaxNvlPeers only (OpState::validate)
   __shared__ RecvTargets s_targets[kMaxNvlPeers];
@@ -185,26 +222,16 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
     s_received = min(n, a.capacity);
   }
   __syncthreads();
-  // items: the tokens, then this rank's padding rows (a.pad)
-  const int items = a.num_tokens + (a.pad.rows != nullptr ? a.capacity - s_received : 0);
-  const ItemQueue q = grid_items(a.g);
-  for (int i = first_item(q); i < items; i = static_cast<int>(next_item(q, items))) {
-    if (i >= a.num_tokens) {
-      store_padding_row(a, s_received + (i - a.num_tokens));
-      continue;
-    }
-    int32_t rows[kMaxNvlPeers];
-    token_rows<kMaxNvlPeers>(a, i, 0, rows);
-    store_token<kMaxNvlPeers>(a, i, 0, rows, a.direct ? s_targets : nullptr);
-  }
+  send_items(a, grid_items(a.g), a.direct ? s_targets : nullptr, a.pad.rows != nullptr ? s_received : 0);
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseSendBlockDone);
   if (finish_and_signal_data(a.g, epoch)) phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Copy-out (dispatch and cached dispatch through staging), after wait_data_kernel: copies staging rows [0, min(n, C))
-// into XLA's outputs and writes the padding (0 / -1) of rows [min(n, C), C). Not launched with direct receive.
+// Copy-out (dispatch and cached dispatch through staging): staging rows [0, min(n, C)) into XLA's outputs and the
+// padding (0 / -1) of rows [min(n, C), C); by the copier blocks of send_copy_kernel on the NVLink kernels, by
+// recv_copy_kernel after the NVSHMEM kernels' send and wait. Not run with direct receive.
 struct RecvArgs {
   GroupCtx g;
   const int32_t* recv_rank_counts;  // [R]
@@ -225,70 +252,158 @@ struct RecvArgs {
   int32_t self_tokens;
 };
 
-__global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
-  __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
+// One warp: row `row` of XLA's outputs from staging (a row from this rank itself: payload and scales from its
+// inputs), s = the row's source rank; s < 0: a padding row (zeros, ids and source -1, weights 0).
+__device__ __forceinline__ void copy_out_row(const RecvArgs& a, int32_t row, int32_t s) {
   const GroupCtx& g = a.g;
   const BufferLayout& B = g.layout;
-  const int R = g.num_ranks, lane = lane_id(), tid = threadIdx.x;
-  if (tid == 0) {
-    s_prefix[0] = 0;
-    for (int s = 0; s < R; ++s) s_prefix[s + 1] = s_prefix[s] + a.recv_rank_counts[s];
-  }
-  __syncthreads();
-  const int32_t valid_rows = min(s_prefix[R], a.capacity);
+  const int lane = lane_id();
+  const bool valid = s >= 0;
   const char* self = self_base(g);
   const int n16 = a.row_bytes / 16;
-
-  for (int row = global_warp(); row < a.capacity; row += num_global_warps()) {
-    const bool valid = row < valid_rows;
-    const int32_t s = valid ? source_of_row(s_prefix, R, row) : -1;  // the row's source rank
-    // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
-    const bool meta = valid && g.remote.test(s);
-    const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
-    const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
-    const float* scale_src = reinterpret_cast<const float*>(self + B.scales) + static_cast<int64_t>(row) * a.scale_cols;
-    if (valid && s == g.rank && a.self_rows != nullptr) {  // this rank's own row: from the inputs
-      // its source index came from this rank's send kernel (stream order); clamped all the same
-      const int32_t t = min(max(__ldcg(reinterpret_cast<const int32_t*>(self + B.src_idx) + row), 0), a.self_tokens - 1);
-      src = reinterpret_cast<const int4*>(a.self_rows + static_cast<int64_t>(t) * a.row_bytes);
-      if (a.self_scales != nullptr) scale_src = a.self_scales + static_cast<int64_t>(t) * a.scale_cols;
-    }
-    int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
-    for (int base = 0; base < n16; base += 32 * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int i = base + j * 32 + lane;
-        v[j] = make_int4(0, 0, 0, 0);
-        if (valid && i < n16) v[j] = ld_cg_v4(src + i);
-      }
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int i = base + j * 32 + lane;
-        if (i < n16) dst[i] = v[j];
-      }
-    }
-    if (a.out_scales != nullptr) {
-      const float* s_src = meta ? reinterpret_cast<const float*>(rec + 4 * (2 * B.meta_k + 1)) : scale_src;
-      for (int j = lane; j < a.scale_cols; j += 32)
-        a.out_scales[static_cast<int64_t>(row) * a.scale_cols + j] = valid ? __ldcg(s_src + j) : 0.0f;
-    }
-    if (lane < a.num_weights) {
-      const int64_t at = static_cast<int64_t>(row) * a.num_weights + lane;
-      const int32_t* ids = meta ? reinterpret_cast<const int32_t*>(rec + 4 * B.meta_k) + lane
-                                : reinterpret_cast<const int32_t*>(self + B.topk_idx) + at;
-      const float* ws = meta ? reinterpret_cast<const float*>(rec) + lane
-                             : reinterpret_cast<const float*>(self + B.topk_weights) + at;
-      if (a.out_topk_idx != nullptr) a.out_topk_idx[at] = valid ? __ldcg(ids) : -1;
-      if (a.out_weights != nullptr) a.out_weights[at] = valid ? __ldcg(ws) : 0.0f;
-    }
-    if (lane == 0 && a.out_src_idx != nullptr) {
-      const int32_t* si = meta ? reinterpret_cast<const int32_t*>(rec + 8 * B.meta_k)
-                               : reinterpret_cast<const int32_t*>(self + B.src_idx) + row;
-      a.out_src_idx[row] = valid ? __ldcg(si) : -1;
-    }
-    if (lane == 0 && a.out_src_rank != nullptr) a.out_src_rank[row] = s;
+  // A row from a remote source (normal mode over NVSHMEM) has its metadata in one record (staging_layout.h).
+  const bool meta = valid && g.remote.test(s);
+  const char* rec = self + B.remote_meta + static_cast<int64_t>(row) * B.meta_stride;
+  const int4* src = reinterpret_cast<const int4*>(self + B.payload + static_cast<int64_t>(row) * a.row_bytes);
+  const float* scale_src = reinterpret_cast<const float*>(self + B.scales) + static_cast<int64_t>(row) * a.scale_cols;
+  if (valid && s == g.rank && a.self_rows != nullptr) {  // this rank's own row: from the inputs
+    // its source index came from this rank's send (stream order, or its arrivals); clamped all the same
+    const int32_t t = min(max(__ldcg(reinterpret_cast<const int32_t*>(self + B.src_idx) + row), 0), a.self_tokens - 1);
+    src = reinterpret_cast<const int4*>(a.self_rows + static_cast<int64_t>(t) * a.row_bytes);
+    if (a.self_scales != nullptr) scale_src = a.self_scales + static_cast<int64_t>(t) * a.scale_cols;
   }
+  int4* dst = reinterpret_cast<int4*>(a.out_rows + static_cast<int64_t>(row) * a.row_bytes);
+  for (int base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int i = base + j * 32 + lane;
+      v[j] = make_int4(0, 0, 0, 0);
+      if (valid && i < n16) v[j] = ld_cg_v4(src + i);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n16) dst[i] = v[j];
+    }
+  }
+  if (a.out_scales != nullptr) {
+    const float* s_src = meta ? reinterpret_cast<const float*>(rec + 4 * (2 * B.meta_k + 1)) : scale_src;
+    for (int j = lane; j < a.scale_cols; j += 32)
+      a.out_scales[static_cast<int64_t>(row) * a.scale_cols + j] = valid ? __ldcg(s_src + j) : 0.0f;
+  }
+  if (lane < a.num_weights) {
+    const int64_t at = static_cast<int64_t>(row) * a.num_weights + lane;
+    const int32_t* ids = meta ? reinterpret_cast<const int32_t*>(rec + 4 * B.meta_k) + lane
+                              : reinterpret_cast<const int32_t*>(self + B.topk_idx) + at;
+    const float* ws = meta ? reinterpret_cast<const float*>(rec) + lane
+                           : reinterpret_cast<const float*>(self + B.topk_weights) + at;
+    if (a.out_topk_idx != nullptr) a.out_topk_idx[at] = valid ? __ldcg(ids) : -1;
+    if (a.out_weights != nullptr) a.out_weights[at] = valid ? __ldcg(ws) : 0.0f;
+  }
+  if (lane == 0 && a.out_src_idx != nullptr) {
+    const int32_t* si = meta ? reinterpret_cast<const int32_t*>(rec + 8 * B.meta_k)
+                             : reinterpret_cast<const int32_t*>(self + B.src_idx) + row;
+    a.out_src_idx[row] = valid ? __ldcg(si) : -1;
+  }
+  if (lane == 0 && a.out_src_rank != nullptr) a.out_src_rank[row] = s;
+}
+
+// The rows [prefix[s], prefix[s + 1]) of staging come from rank s (the exchanged counts); s_prefix: R + 1 entries of
+// the caller's shared memory. Every thread.
+__device__ __forceinline__ void load_row_prefix(const RecvArgs& a, int32_t* s_prefix) {
+  if (threadIdx.x == 0) {
+    s_prefix[0] = 0;
+    for (int s = 0; s < a.g.num_ranks; ++s) s_prefix[s + 1] = s_prefix[s] + a.recv_rank_counts[s];
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_constant__ RecvArgs a) {
+  __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
+  load_row_prefix(a, s_prefix);
+  const int R = a.g.num_ranks;
+  const int32_t valid_rows = min(s_prefix[R], a.capacity);
+  for (int row = global_warp(); row < a.capacity; row += num_global_warps())
+    copy_out_row(a, row, row < valid_rows ? source_of_row(s_prefix, R, row) : -1);
+}
+
+// Dispatch through staging on the NVLink kernels, one kernel: `senders` blocks send (send_items, each row counted in
+// its destination's arrivals), the other blocks copy staging into XLA's outputs as the rows land, so the copy-out runs
+// under the sends instead of after them.
+//
+// Copiers: items (next_item on kNextReceiveItem) are first the padding rows [received, capacity), then the received
+// rows, interleaved over the sources (item j -> source (me + j) % R, its row j / R), so each source's rows are taken
+// in the order its senders store them. A warp waits (lane 0, acquire at system scope, kArrivalBackoffNs between
+// reads) until the row's chunk holds every row of it below the capacity (staged_chunk_rows), then copies the row.
+// The last sender block signals kDataFlag (its release cumulative over every sender's stores through the GPU-scope
+// tickets of kSendBlocksDone); the last block of the grid puts the receiving item counter, the role ticket and this
+// op's arrival counters back to 0: every chunk with a row below the capacity was waited for complete, a chunk
+// without one gets no add, and no peer adds again before this rank's next count signal or barrier.
+//
+// NOTE (progress): copiers spin, as push combine's reducers do (normal_combine.cuh): roles go by start order (the
+// first `senders` blocks to start send), senders never wait, and the grid is one wave of at most
+// senders + max(2 senders, 24) blocks, so the SMs left serve kernels of other streams.
+__device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t n, int32_t capacity, int c, int cr) {
+  // rows [c cr, min((c + 1) cr, n)) of a source whose rows start at staging row first_row, cut at the capacity
+  const int32_t begin = c * cr, end = min(min(begin + cr, n), capacity - first_row);
+  return end > begin ? static_cast<uint32_t>(end - begin) : 0u;
+}
+
+__global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid_constant__ SendArgs a,
+                                                                    const __grid_constant__ RecvArgs r, int senders) {
+  __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
+  __shared__ int32_t s_role, s_last;
+  const GroupCtx& g = a.g;
+  char* self = self_base(g);
+  phase_begin(g_normal_phases);
+  const uint32_t epoch = current_epoch(g);
+  if (threadIdx.x == 0) s_role = static_cast<int32_t>(atomicAdd(header_word(self, SignalHeader::kRoleTicket), 1u));
+  load_row_prefix(r, s_prefix);  // its __syncthreads also publishes s_role
+  const int role = s_role, R = g.num_ranks, me = g.rank, cr = a.arrival_chunk_rows;
+  const int32_t received = min(s_prefix[R], r.capacity);
+  if (role < senders) {
+    send_items(a, ItemQueue{header_word(self, SignalHeader::kNextItem), senders, role}, nullptr, 0);
+    __syncthreads();
+    phase_stamp(g_normal_phases, kPhaseSendBlockDone);
+    if (last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kSendBlocksDone), &s_last,
+                                      static_cast<uint32_t>(senders))) {
+      if (threadIdx.x == 0) *header_word(self, SignalHeader::kNextItem) = 0u;
+      for (int d = threadIdx.x; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
+      phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
+    }
+  } else {
+    int32_t span = 0;
+    for (int s = 0; s < R; ++s) span = max(span, s_prefix[s + 1] - s_prefix[s]);
+    const int64_t pad = r.capacity - received, items = pad + static_cast<int64_t>(R) * span;
+    const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
+                      role - senders};
+    for (int64_t i = first_item(q); i < items; i = next_item(q, items)) {
+      if (i < pad) {
+        copy_out_row(r, received + static_cast<int32_t>(i), -1);
+        continue;
+      }
+      const int s = static_cast<int>((me + (i - pad) % R) % R);
+      const int32_t k = static_cast<int32_t>((i - pad) / R), first = s_prefix[s], n = s_prefix[s + 1] - first;
+      if (k >= n || first + k >= r.capacity) continue;
+      const int c = min(k / cr, kArrivalChunks - 1);
+      if (lane_id() == 0)
+        wait_reached(row_arrivals(self, s, c), staged_chunk_rows(first, n, r.capacity, c, cr), g.timeout_ns,
+                     "dispatch (rows from peers)", me, s, kArrivalBackoffNs);
+      __syncwarp();  // orders lane 0's acquire before every lane's loads of the row
+      copy_out_row(r, first + k, s);
+    }
+    __syncthreads();
+    phase_stamp(g_normal_phases, kPhaseCopyBlockDone);
+  }
+  if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
+  if (threadIdx.x == 0) {
+    *header_word(self, SignalHeader::kNextReceiveItem) = 0u;
+    *header_word(self, SignalHeader::kRoleTicket) = 0u;
+  }
+  for (int i = threadIdx.x; i < R * kArrivalChunks; i += blockDim.x)
+    *row_arrivals(self, i / kArrivalChunks, i % kArrivalChunks) = 0u;
+  phase_stamp(g_normal_phases, kPhaseCopyLastBlockDone);
 }
 
 }  // namespace
@@ -349,23 +464,41 @@ Status launch_barrier_on(const GroupCtx& g, const NormalNvshmemOps* ops, cudaStr
   return Status::Ok();
 }
 
-// The shared tail of dispatch and cached dispatch: push rows to the peers, wait (one warp) until every rank's rows have
-// arrived here, then copy staging into XLA's outputs with all SMs (none with s.pad: direct receive). Stream order
-// carries the dependencies; only the one-warp kernel spins (wide kernels never wait: not all of their blocks need be
-// resident).
-Status launch_send_wait_copy(const SendArgs& s, const RecvArgs& r, int num_sms, int copy_blocks,
-                             const NormalNvshmemOps* ops, cudaStream_t stream) {
+// Sender blocks and receiving blocks of one kernel (push combine, send_copy_kernel): num_sms senders and
+// max(2 num_sms, 24) receiving blocks (they keep up with the rows as they land), within one wave; returns the sender
+// blocks.
+int two_role_grid(const void* kernel, int num_sms, int* blocks) {
+  const int senders = clamp_blocks(num_sms);
+  const int receivers = 2 * senders > 24 ? 2 * senders : 24;
+  *blocks = one_wave(kernel, kSendThreads, senders + receivers);
+  if (*blocks < 2) *blocks = 2;  // one sender and one receiving block at least
+  return senders < *blocks / 2 ? senders : *blocks / 2;
+}
+
+// The shared tail of dispatch and cached dispatch. NVLink kernels through staging: one kernel pushes the rows to the
+// peers and copies them out of this rank's staging as they land (send_copy_kernel), then one warp waits until every
+// rank's send has ended (its data signal: the count exchange and barrier of the next op rely on it); with direct
+// receive the send kernel alone (it pads), then the wait. NVSHMEM kernels: send and wait, then the copy-out with all
+// SMs. Only one-warp kernels and the two-role kernel's receiving blocks spin.
+Status launch_send_wait_copy(SendArgs s, const RecvArgs& r, int num_sms, int copy_blocks,
+                             int32_t max_tokens_per_rank, const NormalNvshmemOps* ops, cudaStream_t stream) {
   if (ops != nullptr) {
     JAX_EP_RETURN_IF_ERROR(from_message(ops->send_and_receive_rows(s, clamp_blocks(num_sms), stream)));
-  } else {
+    recv_copy_kernel<<<clamp_blocks(copy_blocks), kCopyThreads, 0, stream>>>(r);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return Status::Ok();
+  }
+  if (s.pad.rows != nullptr) {  // direct receive
     const int blocks = one_wave(reinterpret_cast<const void*>(send_rows_kernel), kSendThreads, num_sms);
     send_rows_kernel<<<blocks, kSendThreads, 0, stream>>>(s);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else {
+    int blocks = 0;
+    const int senders = two_role_grid(reinterpret_cast<const void*>(send_copy_kernel), num_sms, &blocks);
+    s.arrival_chunk_rows = arrival_chunk_rows(max_tokens_per_rank < s.capacity ? max_tokens_per_rank : s.capacity);
+    send_copy_kernel<<<blocks, kSendThreads, 0, stream>>>(s, r, senders);
   }
-  if (ops == nullptr && s.pad.rows != nullptr) return Status::Ok();  // direct receive: the send kernel padded
-  recv_copy_kernel<<<clamp_blocks(copy_blocks), kCopyThreads, 0, stream>>>(r);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  wait_data_kernel<<<1, 32, 0, stream>>>(r.g);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
@@ -376,7 +509,7 @@ Status preload_kernels() {
   JAX_EP_RETURN_IF_ERROR(normal_phase_devices().arm(g_normal_phases));
   return preload({reinterpret_cast<const void*>(barrier_kernel), reinterpret_cast<const void*>(wait_data_kernel),
                   reinterpret_cast<const void*>(dispatch_notify_kernel), reinterpret_cast<const void*>(send_rows_kernel),
-                  reinterpret_cast<const void*>(recv_copy_kernel),
+                  reinterpret_cast<const void*>(recv_copy_kernel), reinterpret_cast<const void*>(send_copy_kernel),
                   reinterpret_cast<const void*>(combine_push_kernel<__nv_bfloat16>),
                   reinterpret_cast<const void*>(combine_push_kernel<float>),
                   reinterpret_cast<const void*>(combine_publish_barrier_kernel),
@@ -394,7 +527,9 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
                                        "combine: publish + barrier done",
                                        "push combine: sender block's rows stored",
                                        "reduce: block's items done",
-                                       "reduce: last block done"};
+                                       "reduce: last block done",
+                                       "copy-out: copier block's rows done",
+                                       "copy-out: last block done"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
   ns->clear();
   hits->clear();
@@ -468,7 +603,7 @@ Status launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
     r.self_scales = s.scales;
     r.self_tokens = p.num_tokens;
   }
-  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, p.max_tokens_per_rank, ops, stream);
 }
 
 Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream) {
@@ -499,27 +634,17 @@ Status launch_cached_dispatch(const CachedDispatchParams& p, cudaStream_t stream
   r.row_bytes = p.row_bytes;
   r.out_weights = p.num_weights > 0 ? p.recv_weights : nullptr;
   r.num_weights = p.num_weights;
-  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, ops, stream);
+  return launch_send_wait_copy(s, r, p.num_sms, p.copy_blocks, p.max_tokens_per_rank, ops, stream);
 }
 
 namespace {
-
-// Push combine's grid (combine_push_kernel): num_sms sender blocks and twice as many reducer blocks (at least 24: the
-// reduce keeps up with the rows as they land), within one wave; returns the sender blocks.
-int push_combine_grid(const void* kernel, int num_sms, int* blocks) {
-  const int senders = clamp_blocks(num_sms);
-  const int reducers = 2 * senders > 24 ? 2 * senders : 24;
-  *blocks = one_wave(kernel, kSendThreads, senders + reducers);
-  if (*blocks < 2) *blocks = 2;  // one sender and one reducer at least
-  return senders < *blocks / 2 ? senders : *blocks / 2;
-}
 
 template <typename Elem>
 Status launch_combine_nvlink(const CombineParams& p, cudaStream_t stream) {
   const void* push = reinterpret_cast<const void*>(combine_push_kernel<Elem>);
   const void* reduce = reinterpret_cast<const void*>(combine_reduce_kernel<Elem>);
   int blocks = 0;
-  const int senders = push_combine_grid(push, p.num_sms, &blocks);
+  const int senders = two_role_grid(push, p.num_sms, &blocks);
   combine_publish_barrier_kernel<<<1, 32, 0, stream>>>(p);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   combine_push_kernel<Elem><<<blocks, kSendThreads, 0, stream>>>(p, senders);

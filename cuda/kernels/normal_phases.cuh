@@ -15,13 +15,15 @@ enum NormalPhase : int {
   kPhaseNotifySignalled,    // notify: thread 0's count signal (to rank 0) stored
   kPhaseNotifyExchanged,    // notify: every rank's count signal of this op seen (block barrier)
   kPhaseNotifyOutputs,      // notify: handle counts written
-  kPhaseSendBlockDone,      // send rows, each block: its tokens stored (block barrier)
-  kPhaseSendLastBlockDone,  // send rows, the last block: every block's ticket taken, data signals stored
+  kPhaseSendBlockDone,      // send rows, each (sender) block: its tokens stored (block barrier)
+  kPhaseSendLastBlockDone,  // send rows, the last (sender) block: every sender's ticket taken, data signals stored
   kPhaseCombineBarrier,     // combine publish + barrier: done
   kPhaseCombineSendBlockDone,  // push combine, each sender block: its rows stored and counted (block barrier)
   kPhaseReduceBlockDone,    // combine reduce, each (reducer) block: its items summed (block barrier)
   kPhaseReduceLastBlockDone,  // combine reduce or push combine, the last block: every block's ticket taken (pull: done
                               // signals stored; push: arrival counters back to 0)
+  kPhaseCopyBlockDone,      // dispatch through staging (send_copy_kernel), each copier block: its rows copied out
+  kPhaseCopyLastBlockDone,  // send_copy_kernel, the last block: every block's ticket taken, arrival counters reset
   kNormalPhases
 };
 static_assert(kNormalPhases <= kMaxPhases, "PhaseSums holds every phase");

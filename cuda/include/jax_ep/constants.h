@@ -34,11 +34,12 @@ constexpr int kMaxTopk = 16;               // K
 constexpr int64_t kAlign = 256;            // every region of the staging buffer starts on this boundary
 constexpr int64_t kFp8Block = 128;         // channels per fp8 scale (SPEC §4)
 constexpr int64_t kSignalHeaderBytes = 16384;  // fixed header at offset 0 (cuda/include/jax_ep/signal_header.h)
-// Push combine on the NVLink path counts arrived rows per (source rank, chunk of its rows), kCombineChunks chunks of
-// combine_chunk_rows(T_max) rows per source, so its reduce can start on a token once that token's rows are in.
-constexpr int kCombineChunks = 128;
-constexpr int combine_chunk_rows(int max_tokens_per_rank) {
-  const int rows = (max_tokens_per_rank + kCombineChunks - 1) / kCombineChunks;
+// The NVLink kernels that receive while they send (push combine, dispatch through staging) count arrived rows per
+// (source rank, chunk of its rows), kArrivalChunks chunks of arrival_chunk_rows(T_max) rows per source, so the
+// receiving blocks start on a row (reduce, copy-out) once the chunk that holds it is in.
+constexpr int kArrivalChunks = 128;
+constexpr int arrival_chunk_rows(int max_tokens_per_rank) {
+  const int rows = (max_tokens_per_rank + kArrivalChunks - 1) / kArrivalChunks;
   return rows > 0 ? rows : 1;
 }
 

@@ -61,6 +61,7 @@ struct DispatchParams {
   int32_t num_topk;                     // K
   int32_t num_experts;                  // E
   int32_t capacity;                     // C
+  int32_t max_tokens_per_rank;          // T_max of the config (every rank's): at most this many rows per source
   int32_t row_bytes;                    // H * sizeof(x dtype), multiple of 16
   int32_t scale_cols;                   // S (0 for bf16)
   int32_t num_sms;                      // blocks of the NVLink-sending kernel
@@ -81,6 +82,7 @@ struct CachedDispatchParams {
   int32_t num_tokens;                   // T
   int32_t num_weights;                  // Kw (0 or K)
   int32_t capacity;                     // C
+  int32_t max_tokens_per_rank;          // T_max of the config (every rank's): at most this many rows per source
   int32_t row_bytes;                    // W * sizeof(payload dtype), multiple of 16
   int32_t num_sms;
   int32_t copy_blocks;
@@ -141,6 +143,11 @@ struct SendArgs {
   // the inputs (RecvArgs::self_rows), so the send stores only their top-k ids, weights and source index into its own
   // staging: the send's SMs store (R-1)/R of the bytes instead of all of them.
   bool self_rows_from_inputs;
+  // Dispatch through staging on the NVLink path with the copy-out under the send (send_copy_kernel): each stored row
+  // is counted in its destination's arrivals (signal_header.h kRowArrivals), chunks of this many of the rows one rank
+  // sends one destination (arrival_chunk_rows(min(T_max, capacity)): a source's rows below the capacity number at
+  // most that); 0: not counted.
+  int32_t arrival_chunk_rows;
   // Dispatch with direct receive on the NVLink path: this rank's own outputs, whose padding rows
   // [min(received, capacity), capacity) the send kernel writes as work items after the tokens (so no copy-out pass
   // runs); rows nullptr: the copy-out kernel writes the padding.

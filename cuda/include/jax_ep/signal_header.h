@@ -62,22 +62,27 @@ struct SignalHeader {
   static constexpr int64_t kCombineSourceBytes = 16;
   static constexpr int64_t kCombineSources = kSingles + 64;
 
-  // ---- normal-mode push combine over NVLink (cuda/kernels/normal_combine.cuh: combine_push_kernel) ----
-  // u32: the next reduce item past the static first round (the kernel's reducer blocks; kNextItem is its senders').
-  static constexpr int64_t kNextReduceItem = kSingles + 48;
-  // u32: role tickets: the first blocks of the kernel to start send, the others reduce.
-  static constexpr int64_t kCombineRoleTicket = kSingles + 52;
+  // ---- normal-mode kernels over NVLink with two roles (cuda/kernels/normal_combine.cuh: combine_push_kernel;
+  // normal_kernels.cu: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
+  // u32: the next receiving item past the static first round (kNextItem is the senders').
+  static constexpr int64_t kNextReceiveItem = kSingles + 48;
+  // u32: role tickets: the first blocks of the kernel to start send, the others receive.
+  static constexpr int64_t kRoleTicket = kSingles + 52;
+  // u32: last-block-done counter of the sender blocks alone (send_copy_kernel: its last sender signals kDataFlag).
+  static constexpr int64_t kSendBlocksDone = kSingles + 60;
   // u32: role tickets of the fused low-latency kernels (low_latency_protocol.cuh, fused_frame): the first blocks to
   // start send, the others receive; the receive's last block puts it back to 0. Like the LL done counters and the
   // epoch word, it assumes the LL kernels of one buffer run one at a time (one stream's order).
   static constexpr int64_t kLowLatencyRoleTicket = kSingles + 56;
-  // u32 [kMaxNvlPeers][kCombineChunks]: arrivals[s][c] = rows of chunk c (rows c * combine_chunk_rows(T_max) ...) that
-  // rank s stored into this rank's staging this op, added by a release at system scope after the rows of each item
-  // (1-4 rows; one add per chunk the item touches); a chunk is complete at combine_chunk_rows (the warp of rank s's
-  // last row adds what its chunk lacks). Zero between ops:
-  // this rank's last block of the kernel puts every word back to 0 once every chunk it waited for is complete, and
-  // a rank only adds after the barrier of the next combine, which this rank enters after that kernel.
-  static constexpr int64_t kCombineArrivals = 12288;
+  // u32 [kMaxNvlPeers][kArrivalChunks]: arrivals[s][c] = rows of chunk c (rows c * arrival_chunk_rows(T_max) ... of
+  // rank s's rows for this rank) that rank s stored into this rank's staging this op, each add a release at system
+  // scope after the rows it counts. Push combine: one add per chunk a sender item touches (1-4 rows), and the warp
+  // of s's last row adds what its chunk lacks, so a chunk is complete at arrival_chunk_rows. Dispatch through
+  // staging: one add per row, so a chunk is complete at its rows below the capacity (staged_chunk_rows). Zero
+  // between ops: this rank's last block of the kernel puts every word back to 0 once every chunk it waited for is
+  // complete, and a rank adds only after the next op's barrier or count exchange, which this rank enters after
+  // that kernel.
+  static constexpr int64_t kRowArrivals = 12288;
 };
 
 namespace signal_header_detail {
@@ -105,10 +110,11 @@ constexpr Word kWords[] = {
     {SignalHeader::kNvshmemEpoch, 4, 4},
     {SignalHeader::kNextItem, 4, 4},
     {SignalHeader::kCombineSources, 2 * kMaxNvlPeers * SignalHeader::kCombineSourceBytes, 16},
-    {SignalHeader::kNextReduceItem, 4, 4},
-    {SignalHeader::kCombineRoleTicket, 4, 4},
+    {SignalHeader::kNextReceiveItem, 4, 4},
+    {SignalHeader::kRoleTicket, 4, 4},
+    {SignalHeader::kSendBlocksDone, 4, 4},
     {SignalHeader::kLowLatencyRoleTicket, 4, 4},
-    {SignalHeader::kCombineArrivals, 4 * kMaxNvlPeers * kCombineChunks, 4},
+    {SignalHeader::kRowArrivals, 4 * kMaxNvlPeers * kArrivalChunks, 4},
 };
 
 constexpr bool fits_and_aligned() {
