@@ -146,6 +146,8 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
                                                          {p.recv_src_rank, C * 4}},
                                                         view->device_mask);
     if (p.direct_receive) direct_buffers::count_call();
+    // A group across processes never takes direct receive, so all of its ranks receive through staging.
+    p.every_rank_staged = !view->in_process;
     if (test_hooks::skip_launch(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kDispatch, normal::launch_dispatch(p, stream));
   });

@@ -198,7 +198,8 @@ DIRECT_CASES = [
     (2, 17, 32, 7168, 8, 16, "messy", None, False),
     (2, 17, 17, 7168, 8, 32, "skewed", 20, True),
     (4, 17, 17, 7168, 8, 32, "skewed", 20, False),
-    # T=4096: staging's copy-out runs under the send over many chunks of arrivals, the capacity cuts one mid-chunk
+    # T=4096: many chunks of arrivals in run_case's cached dispatch (its copy-out runs under the send), the capacity
+    # cutting one mid-chunk
     (4, 4096, 4096, 2048, 8, 256, "messy", 5000, False),
     (4, 4096, 4096, 7168, 8, 256, "deepep", None, True),
 ]

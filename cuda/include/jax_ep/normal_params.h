@@ -67,6 +67,11 @@ struct DispatchParams {
   int32_t num_sms;                      // blocks of the NVLink-sending kernel
   int32_t copy_blocks;                  // blocks of the local copy-out kernel
   bool direct_receive;                  // publish the outputs as this rank's RecvTargets (NVLink kernels only)
+  // Every rank of the group receives this op through staging (its ranks are in different processes): the NVLink
+  // kernels then copy out under the send (send_copy_kernel). false: the ranks share this process and each decides
+  // for itself whether it takes direct receive, so a group may mix both ways; a rank through staging then runs the
+  // send kernel (which reads every destination's RecvTargets), the wait and the copy-out after them.
+  bool every_rank_staged;
 };
 
 // Cached dispatch: rows along the routes of an earlier dispatch's handle (no count exchange).

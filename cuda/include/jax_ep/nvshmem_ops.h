@@ -50,8 +50,9 @@ struct NormalNvshmemOps {
   const char* (*combine_send_and_receive)(const normal::CombineParams& p, int blocks, cudaStream_t stream);
 };
 
+// Sizes catch most changes of the shared structs; the leading tag goes up whenever a field moves within one.
 constexpr uint64_t kNormalNvshmemAbi =
-    (uint64_t{3} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
+    (uint64_t{4} << 48) ^ (sizeof(normal::DispatchParams) << 36) ^ (sizeof(normal::SendArgs) << 24) ^
     (sizeof(normal::CombineParams) << 12) ^ sizeof(GroupCtx) ^ (sizeof(BufferLayout) << 40);
 
 Status set_normal_nvshmem_ops(const NormalNvshmemOps* ops);
