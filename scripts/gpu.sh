@@ -35,8 +35,9 @@ steps:
   low-latency-ab     low-latency bench of the tree in OLD, then of this one, each built, at EP2 with --nvl 8 and 1
   chain-ab           kernel periods of the tree in OLD against this one, one process on every GPU: both built as
                      wheels into SCRATCH, then REPS rounds of python3 -m jax_ep.bench.chain_gaps CHAIN_ARGS with
-                     JAX_EP_TEST_PHASES=1, new then old (TREES="tag:dir ...": those trees instead, in that order);
-                     the editable install of this tree is restored after
+                     JAX_EP_TEST_PHASES=1, new then old (TREES="tag:dir ...": those trees instead, in that order;
+                     CHAIN_PROCESSES=N: in N processes, one per GPU); the editable install of this tree is restored
+                     after
   shared-gpu         groups larger than the GPUs (launch --processes-per-gpu) under the CUDA MPS daemon (started as
                      a user process, stopped after): pytest -s tests/gpu/test_multiprocess_cuda.py -k SHARED_K
   shared-gpu-bench   the per-op fixed cost (T=1, jax_ep only, nodes of 8) of each of BENCH_MODES for groups of
@@ -252,8 +253,11 @@ ab_wheel() {  # TAG DIR: DIR built as a wheel, installed into SCRATCH/site_TAG (
     "$PY" -m pip install -q --no-deps --no-compile --target "$SCRATCH/site_$1" "$SCRATCH/wheels_$1"/jax_ep-*.whl
 }
 step_chain_ab() {
-  local tag dir tree rep old=${OLD:-ab_old} DIGEST='period|^\| [a-z_]*kernel \| [0-9]' PREFIX=
-  local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine") tags=()
+  local tag dir tree rep old=${OLD:-ab_old} DIGEST='period|^(\[rank 0\] )?\| [a-z_]*kernel \| [0-9]' PREFIX=
+  local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine") tags=() launch=()
+  # CHAIN_PROCESSES=N: chain_gaps in N processes, one per GPU (jax_ep.launch; rank 0's tables in the summary)
+  [ -z "${CHAIN_PROCESSES:-}" ] ||
+    launch=(env NVSHMEM_SYMMETRIC_SIZE="${NVSHMEM_SYMMETRIC_SIZE:-12G}" "$PY" -m jax_ep.launch -n "$CHAIN_PROCESSES")
   # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'.
   # It is evaluated: $(...) or ; inside it would run (it is the caller's own environment)
   [ -z "${CHAIN_ARGS:-}" ] || eval "chain_args=($CHAIN_ARGS)"
@@ -269,8 +273,8 @@ step_chain_ab() {
   for rep in $(seq 1 "${REPS:-2}"); do
     for tag in "${tags[@]}"; do
       PREFIX="$tag $rep: "
-      run "chain_gaps $tag $rep" 150 env -C "$SCRATCH" PYTHONPATH="$SCRATCH/site_$tag" JAX_EP_TEST_PHASES=1 "$PY" -m \
-        jax_ep.bench.chain_gaps "${chain_args[@]}"
+      run "chain_gaps $tag $rep" 150 env -C "$SCRATCH" PYTHONPATH="$SCRATCH/site_$tag" JAX_EP_TEST_PHASES=1 \
+        "${launch[@]:-$PY}" -m jax_ep.bench.chain_gaps "${chain_args[@]}"
     done
   done
   PREFIX=; run "restore editable" 300 "$PY" -m pip install --no-build-isolation --no-deps -e .

@@ -82,3 +82,18 @@ def test_chain_ab_times_every_tree_of_trees_in_order():
     assert wheels == [f"{ROOT}/ab_old", f"{ROOT}/.gpu_tmp/v1", f"{ROOT}/."], wheels
     runs = [line.split("[chain_gaps ")[1].split(",")[0] for line in lines if "[chain_gaps " in line]
     assert runs == ["base 1", "v1 1", "cur 1", "base 2", "v1 2", "cur 2"], runs
+
+
+def test_chain_ab_runs_chain_gaps_under_the_launcher_with_chain_processes():
+    """CHAIN_PROCESSES=N times each tree in N processes (jax_ep.launch), with a symmetric heap for normal mode."""
+    env = dict(os.environ, DRY_RUN="1", REPS="1", PYTHON="python3", CHAIN_PROCESSES="4",
+               CHAIN_ARGS="--mode normal --tokens 4096")
+    env.pop("NVSHMEM_SYMMETRIC_SIZE", None)
+    proc = subprocess.run(["bash", str(SCRIPT), "chain-ab"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "[chain_gaps " in line]
+    assert len(lines) == 2, proc.stdout[-2000:]
+    for line in lines:
+        assert "NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n 4 -m jax_ep.bench.chain_gaps --mode normal " \
+               "--tokens 4096" in line, line
