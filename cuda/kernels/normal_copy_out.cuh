@@ -125,6 +125,13 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
     copy_out_row(a, row, row < valid_rows ? source_of_row(s_prefix, R, row) : -1);
 }
 
+// The rows of chunk c (cr rows each) of a source's rows here that its senders store: those below the capacity.
+__device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t n, int32_t capacity, int c, int cr) {
+  // rows [c cr, min((c + 1) cr, n)) of a source whose rows start at staging row first_row, cut at the capacity
+  const int32_t begin = c * cr, end = min(min(begin + cr, n), capacity - first_row);
+  return end > begin ? static_cast<uint32_t>(end - begin) : 0u;
+}
+
 // Dispatch through staging on the NVLink kernels when every rank of the group stages (a group across processes,
 // cached dispatch), one kernel: `senders` blocks send (send_items, each row counted in its destination's arrivals),
 // the other blocks copy staging into XLA's outputs as the rows land, so the copy-out runs under the sends instead of
@@ -144,12 +151,6 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
 // senders + max(2 senders, 24) blocks: at the default num_sms 72 of an H100's 132 SMs, so kernels on other streams
 // of this GPU still find SMs while the copiers wait (with num_sms of a third of the SMs or more the grid holds them
 // all, as push combine's does).
-__device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t n, int32_t capacity, int c, int cr) {
-  // rows [c cr, min((c + 1) cr, n)) of a source whose rows start at staging row first_row, cut at the capacity
-  const int32_t begin = c * cr, end = min(min(begin + cr, n), capacity - first_row);
-  return end > begin ? static_cast<uint32_t>(end - begin) : 0u;
-}
-
 __global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid_constant__ SendArgs a,
                                                                     const __grid_constant__ RecvArgs r, int senders) {
   __shared__ int32_t s_prefix[kMaxGroupRanks + 1];

@@ -39,7 +39,6 @@
 namespace jax_ep::normal {
 namespace {
 
-
 // ---------------------------------------------------------------------------------------------------------------
 // Barrier kernel (cached dispatch, combine, group warm-up).
 __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ GroupCtx g) { group_barrier_block(g, "barrier"); }
