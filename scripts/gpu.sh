@@ -53,6 +53,8 @@ steps:
   deepep             DeepEP V1's own tests on DEEPEP_N GPUs (the anchor on the same machine and day): a DeepEP source tree
                      in DEEPEP (e.g. `git archive 567632d | tar -x -C .gpu_tmp/deepep` from github:deepseek-ai/DeepEP,
                      carried), built in place, then tests/test_intranode.py and tests/test_low_latency.py
+  buffer-export      scripts/xla_buffer_export.py with XLA's preallocation on (XLA's default), then off: whether
+                     another process can map the buffers XLA hands a call (direct receive with one process per GPU)
   peer-bandwidth     scripts/peer_bandwidth.cu on every GPU: NVLink GB/s per GPU when all send to (or read from) all at
                      once, per copy method (SM stores or loads, TMA bulk copies) and blocks B = 1 to 132
 variables (default):
@@ -345,6 +347,12 @@ step_signal_cost() { local DIGEST='round trip'
 step_rank_loops() { local DIGEST='^\| [0-9]|rank_loops:'
   run "rank loops" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icuda -Icuda/include -o \
     '$SCRATCH/rank_loops' scripts/rank_loops.cu && CUDA_VISIBLE_DEVICES=0,1 '$SCRATCH/rank_loops'"; }
+step_buffer_export() { local DIGEST='export|imported|second process|no allocation'
+  local p
+  for p in true false; do
+    run "buffer export, preallocation $p" 120 env XLA_PYTHON_CLIENT_PREALLOCATE=$p "$PY" scripts/xla_buffer_export.py
+  done
+}
 step_peer_bandwidth() { local DIGEST='^\| [a-z]|peer_bandwidth:'
   run "peer bandwidth" 120 bash -c "nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -Icuda/include -o \
     '$SCRATCH/peer_bandwidth' scripts/peer_bandwidth.cu && '$SCRATCH/peer_bandwidth'"; }
@@ -372,7 +380,7 @@ for s in "$@"; do
     check) STEPS+=(build suite multiprocess sanitize) ;;
     build|suite|multiprocess|sanitize|cmdbuf|examples|bench|bench-nvshmem) STEPS+=("$s") ;;
     low-latency-ratio|low-latency-ab|chain-ab|shared-gpu|shared-gpu-bench|first-call|cpu-suite) STEPS+=("$s") ;;
-    signal-cost|rank-loops|peer-bandwidth|deepep) STEPS+=("$s") ;;
+    signal-cost|rank-loops|peer-bandwidth|buffer-export|deepep) STEPS+=("$s") ;;
     *) echo "scripts/gpu.sh: unknown step '$s' (scripts/gpu.sh --help)" >&2; exit 2 ;;
   esac
 done
