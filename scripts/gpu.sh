@@ -17,7 +17,9 @@ failed. Logs in $OUT if set (the device machine's output folder), else gpu-logs/
 machine returns 8 files of $OUT at most: up to about 6 steps per call. Environment: scripts/gpu_env.sh.
 steps:
   build              python3 -m pip install --no-build-isolation --no-deps -e . -v, then import the native modules
-  suite              the GPU pytest files, one process each (a kernel that traps poisons its CUDA context)
+  suite              the GPU pytest files, one process each (a kernel that traps poisons its CUDA context); on 4
+                     GPUs about 700 s, more than one call: split it with SUITE_FILES (test_cuda_backend about 200 s,
+                     test_low_latency about 180 s, test_low_latency_nvshmem about 100 s)
   multiprocess       tests/gpu/test_multiprocess_cuda.py (one process per GPU): its NVSHMEM cases (-k "nvshmem or
                      two_launchers or across"), then the others
   sanitize           compute-sanitizer SAN_TOOLS on tests/programs/sanitize/ SAN_PROGRAMS, the NVSHMEM ones in N
