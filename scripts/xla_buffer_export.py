@@ -3,8 +3,9 @@
 For buffers XLA allocates on GPU 0 (a device_put array and a jitted output), prints what the driver says of each:
 the handle types its allocation allows to export (CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, 1 = POSIX file
 descriptor), its mapping's base and size, and the result of exporting the allocation as a file descriptor. Where the
-export succeeds, a second process (no JAX, GPU 1 only) receives the descriptor over a Unix socket, imports and maps
-the allocation, and reads the array back through the mapping; the line "imported read: match" means it could.
+export succeeds, a second process (no JAX; the driver API on GPU 1) receives the descriptor over a Unix socket,
+imports and maps the allocation, and reads the array back through the mapping; "match" at the end of the line
+"imported set access / read" means it could.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=true python3 scripts/xla_buffer_export.py    # XLA's default pool
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/xla_buffer_export.py   # or: bash scripts/gpu.sh buffer-export
@@ -64,9 +65,9 @@ def export_fd(cu, ptr):
 
 
 def importer(sock_fd):
-    """The second process: receive (fd, mapping size, offset), map the allocation on device 0 (GPU 1), read it."""
+    """The second process: receive (fd, mapping size, offset), map the allocation for GPU 1, read it there."""
     cu = driver()
-    dev = use_device(cu, 0)
+    dev = use_device(cu, 1)
     sock = socket.socket(fileno=sock_fd)
     msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
     want = json.loads(msg)
@@ -131,10 +132,8 @@ def main():
         return
     fd, f, ptr, head = exported
     parent, child = socket.socketpair()
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu[1].local_hardware_id if gpu[1].local_hardware_id is not None
-                                                    else 1))
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--import", str(child.fileno())],
-                            pass_fds=[child.fileno()], env=env)
+                            pass_fds=[child.fileno()])
     child.close()
     msg = {"mapping_size": f["mapping_size"], "offset": ptr - f["mapping_base"], "values": head}
     socket.send_fds(parent, [json.dumps(msg).encode()], [fd])
