@@ -169,13 +169,16 @@ __device__ __forceinline__ void reduce_item(const CombineParams& p, int t, int c
 }
 
 // Reduce items: (token, chunk of kReduceVecs vectors), token-major, taken by the warps of `q` one at a time
-// (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy).
+// (next_item), so a small T still fills the SMs (one warp per token left ~T/16 blocks busy). joined: a block that is
+// not one of q's (a push-combine sender done with its sends) takes only items past q's static first round.
 template <typename Elem>
 __device__ __forceinline__ void reduce_items(const CombineParams& p, const ItemQueue& q, bool pull,
-                                             const CombineSource* s_src, int chunk_rows, uint32_t backoff_ns = 0) {
+                                             const CombineSource* s_src, int chunk_rows, uint32_t backoff_ns = 0,
+                                             bool joined = false) {
   const int chunks = (p.row_bytes / 16 + kReduceVecs - 1) / kReduceVecs;
   const int items = p.num_tokens * chunks;  // < 2^31: T <= max_tokens_per_rank, chunks <= H / 512
-  for (int item = first_item(q); item < items; item = static_cast<int>(next_item(q, items))) {
+  for (int item = joined ? static_cast<int>(next_item(q, items)) : first_item(q); item < items;
+       item = static_cast<int>(next_item(q, items))) {
     const int t = item / chunks;
     reduce_item<Elem>(p, t, item - t * chunks, pull, s_src, chunk_rows, backoff_ns);
   }
@@ -223,13 +226,14 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 // item j -> source (me + 1 + j % (R-1)) % R, k-th row of that source with k = j / (R-1) (consecutive warps write to
 // different peers, the rotation by `me` makes the ranks start on different destinations, and each source's rows are
 // taken in ascending k, so its chunks complete roughly in order).
-// Reducers: reduce_items with the arrival waits (reduce_item), tokens in ascending order.
+// Reducers: reduce_items with the arrival waits (reduce_item), tokens in ascending order. A sender block joins the
+// reducers once its sends are done, taking only items past their static first round.
 //
 // NOTE (progress): reducer blocks spin, so every sender block of this kernel must run: roles go by the order in which
 // blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders; and a peer's senders never
-// wait for anything, so every chunk a reducer waits for completes. The grid (two_role_grid: num_sms senders and
-// max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's 132 SMs, so
-// kernels on other streams of this GPU still find SMs while the reducers wait.
+// wait for anything before their sends are done, so every chunk a reducer waits for completes. The grid (two_role_grid:
+// num_sms senders and max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's
+// 132 SMs, so kernels on other streams of this GPU still find SMs while the reducers wait.
 constexpr int kMaxRowsPerItem = 4;
 
 template <typename Elem>
@@ -283,13 +287,15 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
     }
     __syncthreads();
     phase_stamp(g_normal_phases, kPhaseCombineSendBlockDone);
-  } else {
-    const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
-                      role - senders};
-    reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs);
-    __syncthreads();
-    phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
   }
+  // Reducers from the start; a sender block joins them once its sends are done (it has nothing left to send, so its
+  // waits hold up no peer).
+  const bool reducer = role >= senders;
+  const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
+                    reducer ? role - senders : 0};
+  reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs, !reducer);
+  __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
   // The last block: every reducer has seen every chunk it needed complete, so every row of this op has arrived and
   // every arrival counter of this rank can go back to 0 (no peer adds again before the next combine's barrier).
   if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;

@@ -125,10 +125,12 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copy_kernel(const __grid_co
     copy_out_row(a, row, row < valid_rows ? source_of_row(s_prefix, R, row) : -1);
 }
 
-// The rows of chunk c (cr rows each) of a source's rows here that its senders store: those below the capacity.
+// The rows of chunk c (cr rows each) of a source's rows here that its senders store: those below the capacity. The
+// senders count every row from (kArrivalChunks - 1) cr on in the last chunk, so the last chunk expects them all.
 __device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t n, int32_t capacity, int c, int cr) {
-  // rows [c cr, min((c + 1) cr, n)) of a source whose rows start at staging row first_row, cut at the capacity
-  const int32_t begin = c * cr, end = min(min(begin + cr, n), capacity - first_row);
+  // rows [c cr, min((c + 1) cr, n)) of a source whose rows start at staging row first_row (the last chunk: up to n),
+  // cut at the capacity
+  const int32_t begin = c * cr, end = min(c == kArrivalChunks - 1 ? n : min(begin + cr, n), capacity - first_row);
   return end > begin ? static_cast<uint32_t>(end - begin) : 0u;
 }
 
@@ -140,15 +142,16 @@ __device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t
 // Copiers: items (next_item on kNextReceiveItem) are first the padding rows [received, capacity), then the received
 // rows, interleaved over the sources (item j -> source (me + j) % R, its row j / R), so each source's rows are taken
 // in the order its senders store them. A warp waits (lane 0, acquire at system scope, kArrivalBackoffNs between
-// reads) until the row's chunk holds every row of it below the capacity (staged_chunk_rows), then copies the row.
+// reads) until the row's chunk holds every row of it below the capacity (staged_chunk_rows), then copies the row. A
+// sender block joins the copiers once its sends are done, taking only items past their static first round.
 // The last sender block signals kDataFlag (its release cumulative over every sender's stores through the GPU-scope
 // tickets of kSendBlocksDone); the last block of the grid puts the receiving item counter, the role ticket and this
 // op's arrival counters back to 0: every chunk with a row below the capacity was waited for complete, a chunk
 // without one gets no add, and no peer adds again before this rank's next count signal or barrier.
 //
-// NOTE (progress): copiers spin, as push combine's reducers do (normal_combine.cuh): roles go by start order (the
-// first `senders` blocks to start send), senders never wait, and the grid is one wave of at most
-// senders + max(2 senders, 24) blocks: at the default num_sms 72 of an H100's 132 SMs, so kernels on other streams
+// NOTE (progress): copiers spin, as push combine's reducers do (normal_combine.cuh): roles go by start order (the first
+// `senders` blocks to start send), a sender waits only once it has nothing left to send, and the grid is one wave of at
+// most senders + max(2 senders, 24) blocks: at the default num_sms 72 of an H100's 132 SMs, so kernels on other streams
 // of this GPU still find SMs while the copiers wait (with num_sms of a third of the SMs or more the grid holds them
 // all, as push combine's does).
 __global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid_constant__ SendArgs a,
@@ -173,30 +176,32 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid
       for (int d = threadIdx.x; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kDataFlag, epoch);
       phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
     }
-  } else {
-    int32_t span = 0;
-    for (int s = 0; s < R; ++s) span = max(span, s_prefix[s + 1] - s_prefix[s]);
-    const int64_t pad = r.capacity - received, items = pad + static_cast<int64_t>(R) * span;
-    const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
-                      role - senders};
-    for (int64_t i = first_item(q); i < items; i = next_item(q, items)) {
-      if (i < pad) {
-        copy_out_row(r, received + static_cast<int32_t>(i), -1);
-        continue;
-      }
-      const int s = static_cast<int>((me + (i - pad) % R) % R);
-      const int32_t k = static_cast<int32_t>((i - pad) / R), first = s_prefix[s], n = s_prefix[s + 1] - first;
-      if (k >= n || first + k >= r.capacity) continue;
-      const int c = min(k / cr, kArrivalChunks - 1);
-      if (lane_id() == 0)
-        wait_reached(row_arrivals(self, s, c), staged_chunk_rows(first, n, r.capacity, c, cr), g.timeout_ns,
-                     "dispatch (rows from peers)", me, s, kArrivalBackoffNs);
-      __syncwarp();  // orders lane 0's acquire before every lane's loads of the row
-      copy_out_row(r, first + k, s);
-    }
-    __syncthreads();
-    phase_stamp(g_normal_phases, kPhaseCopyBlockDone);
   }
+  // Copiers from the start; a sender block joins them once its sends are done, taking only items past the copiers'
+  // static first round (its own sends never wait, so a sender that waits here has nothing left to send).
+  int32_t span = 0;
+  for (int s = 0; s < R; ++s) span = max(span, s_prefix[s + 1] - s_prefix[s]);
+  const int64_t pad = r.capacity - received, items = pad + static_cast<int64_t>(R) * span;
+  const bool copier = role >= senders;
+  const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
+                    copier ? role - senders : 0};
+  for (int64_t i = copier ? first_item(q) : next_item(q, items); i < items; i = next_item(q, items)) {
+    if (i < pad) {
+      copy_out_row(r, received + static_cast<int32_t>(i), -1);
+      continue;
+    }
+    const int s = static_cast<int>((me + (i - pad) % R) % R);
+    const int32_t k = static_cast<int32_t>((i - pad) / R), first = s_prefix[s], n = s_prefix[s + 1] - first;
+    if (k >= n || first + k >= r.capacity) continue;
+    const int c = min(k / cr, kArrivalChunks - 1);
+    if (lane_id() == 0)
+      wait_reached(row_arrivals(self, s, c), staged_chunk_rows(first, n, r.capacity, c, cr), g.timeout_ns,
+                   "dispatch (rows from peers)", me, s, kArrivalBackoffNs);
+    __syncwarp();  // orders lane 0's acquire before every lane's loads of the row
+    copy_out_row(r, first + k, s);
+  }
+  __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseCopyBlockDone);
   if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
   if (threadIdx.x == 0) {
     *header_word(self, SignalHeader::kNextReceiveItem) = 0u;
