@@ -227,19 +227,21 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(const __gr
 // different peers, the rotation by `me` makes the ranks start on different destinations, and each source's rows are
 // taken in ascending k, so its chunks complete roughly in order).
 // Reducers: reduce_items with the arrival waits (reduce_item), tokens in ascending order. A sender block joins the
-// reducers once its sends are done, taking only items past their static first round.
+// reducers once its sends are done and every sender has started (every_sender_started), taking only items past their
+// static first round.
 //
 // NOTE (progress): reducer blocks spin, so every sender block of this kernel must run: roles go by the order in which
-// blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders; and a peer's senders never
-// wait for anything before their sends are done, so every chunk a reducer waits for completes. The grid (two_role_grid:
-// num_sms senders and max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's
-// 132 SMs, so kernels on other streams of this GPU still find SMs while the reducers wait.
+// blocks start (a ticket), not by blockIdx, so the first blocks resident are the senders, and a block that spins has
+// seen every sender start (a joined sender checks it: every_sender_started); senders never wait for anything before
+// their sends are done, so every chunk a reducer waits for completes. The grid (two_role_grid: num_sms senders and
+// max(2 num_sms, 24) reducers) is at most one wave; at the default num_sms it holds 72 of an H100's 132 SMs, so kernels
+// on other streams of this GPU still find SMs while the reducers wait.
 constexpr int kMaxRowsPerItem = 4;
 
 template <typename Elem>
 __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid_constant__ CombineParams p,
                                                                     int senders) {
-  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span, s_role, s_last;
+  __shared__ int32_t s_begin[kMaxGroupRanks], s_end[kMaxGroupRanks], s_span, s_role, s_last, s_join;
   const GroupCtx& g = p.g;
   if (pull_mode(p)) return;  // the reduce kernel pulls the rows
   phase_begin(g_normal_phases);
@@ -288,16 +290,18 @@ __global__ void __launch_bounds__(kSendThreads) combine_push_kernel(const __grid
     __syncthreads();
     phase_stamp(g_normal_phases, kPhaseCombineSendBlockDone);
   }
-  // Reducers from the start; a sender block joins them once its sends are done (it has nothing left to send, so its
-  // waits hold up no peer).
+  // Reducers from the start; a sender block, once its sends are done and every sender has started, takes the items
+  // past the reducers' static first round
   const bool reducer = role >= senders;
   const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
                     reducer ? role - senders : 0};
-  reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs, !reducer);
+  if (reducer || every_sender_started(self, senders, &s_join))
+    reduce_items<Elem>(p, q, false, nullptr, chunk_rows, kArrivalBackoffNs, !reducer);
   __syncthreads();
   phase_stamp(g_normal_phases, kPhaseReduceBlockDone);
-  // The last block: every reducer has seen every chunk it needed complete, so every row of this op has arrived and
-  // every arrival counter of this rank can go back to 0 (no peer adds again before the next combine's barrier).
+  // The last block: every block that reduced has seen every chunk it needed complete, so every row of this op has
+  // arrived and every arrival counter of this rank can go back to 0 (no peer adds again before the next combine's
+  // barrier).
   if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
   if (threadIdx.x == 0) {
     *header_word(self, SignalHeader::kNextItem) = 0u;

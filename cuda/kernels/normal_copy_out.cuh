@@ -27,7 +27,8 @@ constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane per step (loca
 
 // ---------------------------------------------------------------------------------------------------------------
 // Copy-out (dispatch and cached dispatch through staging): staging rows [0, min(n, C)) into XLA's outputs and the
-// padding (0 / -1) of rows [min(n, C), C); by the copier blocks of send_copy_kernel, or by recv_copy_kernel after a
+// padding (0 / -1) of rows [min(n, C), C); by the copier blocks (and joined senders) of send_copy_kernel, or by
+// recv_copy_kernel after a
 // send and wait (the NVSHMEM kernels; the NVLink kernels of a group in one process). Not run with direct receive.
 struct RecvArgs {
   GroupCtx g;
@@ -134,30 +135,32 @@ __device__ __forceinline__ uint32_t staged_chunk_rows(int32_t first_row, int32_t
   return end > begin ? static_cast<uint32_t>(end - begin) : 0u;
 }
 
-// Dispatch through staging on the NVLink kernels when every rank of the group stages (a group across processes,
-// cached dispatch), one kernel: `senders` blocks send (send_items, each row counted in its destination's arrivals),
-// the other blocks copy staging into XLA's outputs as the rows land, so the copy-out runs under the sends instead of
-// after them. Every rank must run it: a peer's send_rows_kernel does not count its rows.
+// Dispatch through staging on the NVLink kernels when every rank of the group stages (a group across processes, cached
+// dispatch), one kernel: `senders` blocks send (send_items, each row counted in its destination's arrivals), the other
+// blocks (and each sender once done) copy staging into XLA's outputs as the rows land, so the copy-out runs under the
+// sends instead of after them. Every rank must run it: a peer's send_rows_kernel does not count its rows.
 //
 // Copiers: items (next_item on kNextReceiveItem) are first the padding rows [received, capacity), then the received
 // rows, interleaved over the sources (item j -> source (me + j) % R, its row j / R), so each source's rows are taken
 // in the order its senders store them. A warp waits (lane 0, acquire at system scope, kArrivalBackoffNs between
 // reads) until the row's chunk holds every row of it below the capacity (staged_chunk_rows), then copies the row. A
-// sender block joins the copiers once its sends are done, taking only items past their static first round.
+// sender block joins the copiers once its sends are done and every sender has started, taking only items past their
+// static first round.
 // The last sender block signals kDataFlag (its release cumulative over every sender's stores through the GPU-scope
 // tickets of kSendBlocksDone); the last block of the grid puts the receiving item counter, the role ticket and this
 // op's arrival counters back to 0: every chunk with a row below the capacity was waited for complete, a chunk
 // without one gets no add, and no peer adds again before this rank's next count signal or barrier.
 //
 // NOTE (progress): copiers spin, as push combine's reducers do (normal_combine.cuh): roles go by start order (the first
-// `senders` blocks to start send), a sender waits only once it has nothing left to send, and the grid is one wave of at
-// most senders + max(2 senders, 24) blocks: at the default num_sms 72 of an H100's 132 SMs, so kernels on other streams
-// of this GPU still find SMs while the copiers wait (with num_sms of a third of the SMs or more the grid holds them
-// all, as push combine's does).
+// `senders` blocks to start send), so a block that spins has seen every sender start; a sender spins only once its
+// sends are done and every sender has started (every_sender_started); senders never wait for anything before, so every
+// chunk waited for completes. The grid is one wave of at most senders + max(2 senders, 24) blocks: at the default
+// num_sms 72 of an H100's 132 SMs, so kernels on other streams of this GPU still find SMs while the copiers wait (with
+// num_sms of a third of the SMs or more the grid holds them all, as push combine's does).
 __global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid_constant__ SendArgs a,
                                                                     const __grid_constant__ RecvArgs r, int senders) {
   __shared__ int32_t s_prefix[kMaxGroupRanks + 1];
-  __shared__ int32_t s_role, s_last;
+  __shared__ int32_t s_role, s_last, s_join;
   const GroupCtx& g = a.g;
   char* self = self_base(g);
   phase_begin(g_normal_phases);
@@ -177,15 +180,16 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_copy_kernel(const __grid
       phase_stamp(g_normal_phases, kPhaseSendLastBlockDone);
     }
   }
-  // Copiers from the start; a sender block joins them once its sends are done, taking only items past the copiers'
-  // static first round (its own sends never wait, so a sender that waits here has nothing left to send).
+  // Copiers from the start; a sender block, once its sends are done and every sender has started, takes the items
+  // past the copiers' static first round
   int32_t span = 0;
   for (int s = 0; s < R; ++s) span = max(span, s_prefix[s + 1] - s_prefix[s]);
   const int64_t pad = r.capacity - received, items = pad + static_cast<int64_t>(R) * span;
   const bool copier = role >= senders;
   const ItemQueue q{header_word(self, SignalHeader::kNextReceiveItem), static_cast<int>(gridDim.x) - senders,
                     copier ? role - senders : 0};
-  for (int64_t i = copier ? first_item(q) : next_item(q, items); i < items; i = next_item(q, items)) {
+  const bool joins = copier || every_sender_started(self, senders, &s_join);
+  for (int64_t i = !joins ? items : copier ? first_item(q) : next_item(q, items); i < items; i = next_item(q, items)) {
     if (i < pad) {
       copy_out_row(r, received + static_cast<int32_t>(i), -1);
       continue;

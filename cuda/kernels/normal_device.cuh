@@ -282,6 +282,20 @@ struct Pack<float> {
   }
 };
 
+// Whether a sender block of a two-role kernel (send_copy_kernel, combine_push_kernel), done with its sends, may join
+// the receiving blocks: only once every sender block has taken its role (the role ticket, which only grows until the
+// grid's last block resets it, has reached `senders`). A joined block may spin; before then it could hold the SM a
+// sender not yet started needs (kernels on other streams may hold the others) while waiting for that sender's rows.
+// Every thread of the block, which must be a sender; the answer is the same for all of them.
+__device__ __forceinline__ bool every_sender_started(char* self, int senders, int32_t* s_answer) {
+  __syncthreads();  // no thread still reads *s_answer
+  if (threadIdx.x == 0)
+    *s_answer = *reinterpret_cast<volatile uint32_t*>(header_word(self, SignalHeader::kRoleTicket)) >=
+                static_cast<uint32_t>(senders);
+  __syncthreads();
+  return *s_answer != 0;
+}
+
 // The arrival counter of (rank `from`'s rows, chunk c) in the staging at `base` (signal_header.h: kRowArrivals).
 __device__ __forceinline__ uint32_t* row_arrivals(char* base, int from, int c) {
   return header_word(base, SignalHeader::kRowArrivals + 4 * (static_cast<int64_t>(from) * kArrivalChunks + c));

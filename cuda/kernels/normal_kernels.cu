@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ 
 // Waits until every rank has signalled that its send of this op has ended (all its rows are in this rank's staging
 // or outputs).
 // NOTE: waiting happens in one-warp kernels like this one, never inside a wide kernel, except in the receiving
-// blocks of the two-role kernels (send_copy_kernel, combine_push_kernel: their NOTEs): a grid of spinning blocks
+// blocks of the two-role kernels and their senders once done (send_copy_kernel, combine_push_kernel: their NOTEs):
+// a grid of spinning blocks
 // could starve kernels on other streams of this GPU (e.g. an NCCL collective of the same program) that a peer is
 // waiting for, and deadlock the group.
 __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant__ GroupCtx g) {
@@ -302,7 +303,7 @@ int two_role_grid(const void* kernel, int num_sms, int* blocks) {
 // process, whose ranks may mix direct receive and staging: DispatchParams::every_rank_staged) the send kernel, the
 // wait, and through staging the copy-out with all SMs; with direct receive the send kernel pads and no copy-out runs.
 // NVSHMEM kernels: send and wait, then the copy-out with all SMs. Only one-warp kernels and the two-role kernel's
-// receiving blocks spin.
+// receiving blocks (and its senders once done) spin.
 Status launch_send_wait_copy(SendArgs s, const RecvArgs& r, int num_sms, int copy_blocks,
                              int32_t max_tokens_per_rank, bool every_rank_staged, const NormalNvshmemOps* ops,
                              cudaStream_t stream) {
@@ -355,7 +356,7 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
                                        "push combine: sender block's rows stored",
                                        "reduce: block's items done",
                                        "reduce: last block done",
-                                       "copy-out: copier block's rows done",
+                                       "copy-out: block's rows done",
                                        "copy-out: last block done"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNormalPhases, "one name per NormalPhase");
   ns->clear();

@@ -19,10 +19,10 @@ enum NormalPhase : int {
   kPhaseSendLastBlockDone,  // send rows, the last (sender) block: every sender's ticket taken, data signals stored
   kPhaseCombineBarrier,     // combine publish + barrier: done
   kPhaseCombineSendBlockDone,  // push combine, each sender block: its rows stored and counted (block barrier)
-  kPhaseReduceBlockDone,    // combine reduce, each (reducer) block: its items summed (block barrier)
+  kPhaseReduceBlockDone,    // combine reduce, each block (push: senders too, after their sends): its items summed
   kPhaseReduceLastBlockDone,  // combine reduce or push combine, the last block: every block's ticket taken (pull: done
                               // signals stored; push: arrival counters back to 0)
-  kPhaseCopyBlockDone,      // dispatch through staging (send_copy_kernel), each copier block: its rows copied out
+  kPhaseCopyBlockDone,      // send_copy_kernel, each block (senders too, after their sends): its rows copied out
   kPhaseCopyLastBlockDone,  // send_copy_kernel, the last block: every block's ticket taken, arrival counters reset
   kNormalPhases
 };

@@ -64,7 +64,8 @@ struct SignalHeader {
 
   // ---- normal-mode kernels over NVLink with two roles (cuda/kernels/normal_combine.cuh: combine_push_kernel;
   // normal_kernels.cu: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
-  // u32: the next receiving item past the static first round (kNextItem is the senders').
+  // u32: the next receiving item past the static first round (taken by receiving blocks and by senders once done;
+  // kNextItem is the senders' sending items).
   static constexpr int64_t kNextReceiveItem = kSingles + 48;
   // u32: role tickets: the first blocks of the kernel to start send, the others receive.
   static constexpr int64_t kRoleTicket = kSingles + 52;
