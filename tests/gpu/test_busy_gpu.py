@@ -79,6 +79,31 @@ def _program(cfg, mesh):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
 
 
+def _routing_inputs(R: int, seed: int, extra_rows: int = 0):
+    """x [R T_MAX, H] bf16, top-K distinct experts per token, their weights, then `extra_rows` more [R T_MAX, H] bf16
+    arrays (e.g. a cotangent)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(R * T_MAX, H)), jnp.bfloat16)
+    idx = jnp.asarray(np.argsort(-rng.random((R * T_MAX, E)), axis=1)[:, :K].astype(np.int32))
+    w = jnp.asarray(rng.random((R * T_MAX, K)).astype(np.float32))
+    return (x, idx, w) + tuple(jnp.asarray(rng.normal(size=(R * T_MAX, H)), jnp.bfloat16) for _ in range(extra_rows))
+
+
+def _run_while_busy(torch, name: str, R: int, run, args, calls: int):
+    """`calls` calls of the compiled, warm `run` while every GPU's side stream is busy; their results. Fails if the
+    busy work ended before the calls did (the test would have proven nothing)."""
+    ends = _busy(torch, R, seconds=3.0)
+    t0 = time.perf_counter()
+    results = [run(*args) for _ in range(calls)]
+    jax.block_until_ready(results)
+    elapsed = time.perf_counter() - t0
+    still_busy = [not e.query() for e in ends]
+    print(f"{name}: {calls} calls at T={T_MAX} on {R} GPUs in {elapsed:.2f} s; busy streams still running at the end: "
+          f"{still_busy}")
+    assert any(still_busy), "the busy work ended before the jax_ep calls did: the test proved nothing"
+    return results
+
+
 @pytest.mark.parametrize("mode", ["per_expert", "per_rank"])
 def test_low_latency_at_large_tokens_with_busy_gpus(mode):
     require(2)
@@ -90,22 +115,12 @@ def test_low_latency_at_large_tokens_with_busy_gpus(mode):
     ref = jax_ep.EPConfig(E, H, K, T_MAX, backend="reference", low_latency_mode=mode)
     jax_ep.initialize(mesh, cfg, ref, warmup_ops=False)
     try:
-        rng = np.random.default_rng(5)
-        x = jnp.asarray(rng.normal(size=(R * T_MAX, H)), jnp.bfloat16)
-        idx = jnp.asarray(np.argsort(-rng.random((R * T_MAX, E)), axis=1)[:, :K].astype(np.int32))
-        w = jnp.asarray(rng.random((R * T_MAX, K)).astype(np.float32))
+        args = _routing_inputs(R, 5)
         run, oracle = _program(cfg, mesh), _program(ref, mesh)
-        want = jax.device_get(oracle(x, idx, w))
-        jax.block_until_ready(run(x, idx, w))  # compiled and warm before the GPUs get busy
-        ends = _busy(torch, R, seconds=3.0)
-        t0 = time.perf_counter()
-        results = [run(x, idx, w) for _ in range(20)]
+        want = jax.device_get(oracle(*args))
+        jax.block_until_ready(run(*args))  # compiled and warm before the GPUs get busy
+        results = _run_while_busy(torch, mode, R, run, args, calls=20)
         got = jax.device_get(results[-1])
-        elapsed = time.perf_counter() - t0
-        still_busy = [not e.query() for e in ends]
-        print(f"{mode}: 20 calls at T={T_MAX} on {R} GPUs in {elapsed:.2f} s; busy streams still running at the "
-              f"end: {still_busy}")
-        assert any(still_busy), "the busy work ended before the jax_ep calls did: the test proved nothing"
         for r in results[:-1]:
             np.testing.assert_array_equal(np.asarray(jax.device_get(r[1])), want[1])
         np.testing.assert_array_equal(got[1], want[1], err_msg="recv_count")
@@ -143,23 +158,11 @@ def test_normal_mode_two_role_kernels_with_busy_gpus():
     ref = jax_ep.EPConfig(E, H, K, T_MAX, backend="reference")
     jax_ep.initialize(mesh, cfg, ref, warmup_ops=False)
     try:
-        rng = np.random.default_rng(6)
-        x = jnp.asarray(rng.normal(size=(R * T_MAX, H)), jnp.bfloat16)
-        idx = jnp.asarray(np.argsort(-rng.random((R * T_MAX, E)), axis=1)[:, :K].astype(np.int32))
-        w = jnp.asarray(rng.random((R * T_MAX, K)).astype(np.float32))
-        g = jnp.asarray(rng.normal(size=(R * T_MAX, H)), jnp.bfloat16)
+        args = _routing_inputs(R, 6, extra_rows=1)  # x, idx, w and the cotangent of y
         run, oracle = _normal_program(cfg, mesh), _normal_program(ref, mesh)
-        want = jax.device_get(oracle(x, idx, w, g))
-        jax.block_until_ready(run(x, idx, w, g))  # compiled and warm before the GPUs get busy
-        ends = _busy(torch, R, seconds=3.0)
-        t0 = time.perf_counter()
-        results = [run(x, idx, w, g) for _ in range(10)]
-        got = jax.device_get(results[-1])
-        elapsed = time.perf_counter() - t0
-        still_busy = [not e.query() for e in ends]
-        print(f"normal: 10 calls at T={T_MAX} on {R} GPUs in {elapsed:.2f} s; busy streams still running at the end: "
-              f"{still_busy}")
-        assert any(still_busy), "the busy work ended before the jax_ep calls did: the test proved nothing"
+        want = jax.device_get(oracle(*args))
+        jax.block_until_ready(run(*args))  # compiled and warm before the GPUs get busy
+        got = jax.device_get(_run_while_busy(torch, "normal", R, run, args, calls=10)[-1])
         np.testing.assert_array_equal(got[2], want[2], err_msg="num_recv_tokens")
         assert rel_error(got[0], want[0]) <= 2 ** -7, f"combine relative error {rel_error(got[0], want[0]):.2e}"
         assert rel_error(got[1], want[1]) <= 2 ** -7, f"gradient relative error {rel_error(got[1], want[1]):.2e}"
