@@ -63,11 +63,12 @@ struct SignalHeader {
   static constexpr int64_t kCombineSources = kSingles + 64;
 
   // ---- normal-mode kernels over NVLink with two roles (cuda/kernels/normal_combine.cuh: combine_push_kernel;
-  // normal_kernels.cu: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
+  // normal_copy_out.cuh: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
   // u32: the next receiving item past the static first round (taken by receiving blocks and by senders once done;
   // kNextItem is the senders' sending items).
   static constexpr int64_t kNextReceiveItem = kSingles + 48;
-  // u32: role tickets: the first blocks of the kernel to start send, the others receive.
+  // u32: role tickets: the first blocks of the kernel to start send, the others receive; read by senders done with
+  // their sends (every_sender_started), put back to 0 by the grid's last block.
   static constexpr int64_t kRoleTicket = kSingles + 52;
   // u32: last-block-done counter of the sender blocks alone (send_copy_kernel: its last sender signals kDataFlag).
   static constexpr int64_t kSendBlocksDone = kSingles + 60;
