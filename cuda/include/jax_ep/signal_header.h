@@ -63,7 +63,7 @@ struct SignalHeader {
   static constexpr int64_t kCombineSources = kSingles + 64;
 
   // ---- normal-mode kernels over NVLink with two roles (cuda/kernels/normal_combine.cuh: combine_push_kernel;
-  // normal_kernels.cu: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
+  // normal_copy_out.cuh: send_copy_kernel): sender blocks and receiving blocks (reducers, copiers) ----
   // u32: the next receiving item past the static first round (kNextItem is the senders').
   static constexpr int64_t kNextReceiveItem = kSingles + 48;
   // u32: role tickets: the first blocks of the kernel to start send, the others receive.
