@@ -194,7 +194,20 @@ def test_child_envs_global_ids_and_pinning():
         assert (e[E.ENV_COORDINATOR], e[E.ENV_NUM_PROCESSES], e[E.ENV_LOCAL_SIZE], e[E.ENV_HOST_INDEX],
                 e[E.ENV_NUM_HOSTS]) == ("c:9", "6", "2", "1", "3"), e
         assert e["NCCL_NVLS_ENABLE"] == "0" and e["PYTHONUNBUFFERED"] == "0" and e["X"] == "y", e
-        assert e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and e[E.ENV_HEARTBEAT_TIMEOUT] == "7", e
+        # GPUs of its own: XLA's preallocation stays at its default (on), the pool peers map for direct receive
+        assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in e and e[E.ENV_HEARTBEAT_TIMEOUT] == "7", e
+
+
+def test_child_envs_preallocation_off_only_where_processes_share_gpus():
+    hosts = Hosts(1, 0, "c:9")
+    shared = child_envs(2, hosts, "c:9", ["0"], 1, {}, {}, environ={}, processes_per_gpu=2)
+    unpinned = child_envs(2, hosts, "c:9", None, 1, {}, {}, environ={})
+    own = child_envs(2, hosts, "c:9", ["0", "1"], 1, {}, {}, environ={})
+    kept = child_envs(2, hosts, "c:9", ["0"], 1, {}, {}, environ={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"},
+                      processes_per_gpu=2)
+    assert [e["XLA_PYTHON_CLIENT_PREALLOCATE"] for e in shared + unpinned] == ["false"] * 4
+    assert ["XLA_PYTHON_CLIENT_PREALLOCATE" in e for e in own] == [False, False]
+    assert [e["XLA_PYTHON_CLIENT_PREALLOCATE"] for e in kept] == ["true", "true"]  # the user's setting wins
 
 
 def test_child_envs_processes_per_gpu():

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <vector>
 
+#include "driver_entry.h"
+
 namespace jax_ep::direct_buffers {
 namespace {
 
@@ -33,18 +35,6 @@ std::atomic<int64_t>& pull_threshold() {
 std::atomic<int64_t>& call_count() {
   static std::atomic<int64_t> n{0};
   return n;
-}
-
-// A driver function through the runtime (the module links no libcuda), or nullptr.
-void* driver_entry(const char* name) {
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return f;
 }
 
 using PointerGetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
@@ -143,6 +133,15 @@ bool peer_addressable(std::initializer_list<Extent> extents, uint64_t device_mas
       cache.push_back(r);
       p = r.end;
     }
+  }
+  return true;
+}
+
+bool within(std::initializer_list<Extent> extents, uintptr_t begin, uintptr_t end) {
+  for (const Extent& e : extents) {
+    if (e.ptr == nullptr || e.bytes <= 0) continue;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(e.ptr);
+    if (p < begin || p >= end || static_cast<uintptr_t>(e.bytes) > end - p) return false;
   }
   return true;
 }

@@ -44,6 +44,10 @@ struct Extent {
 // direct buffers off (set_enabled(false) / JAX_EP_DIRECT_BUFFERS=0).
 bool peer_addressable(std::initializer_list<Extent> extents, uint64_t device_mask);
 
+// True when every extent with a non-null pointer and bytes > 0 lies inside [begin, end): with one process per GPU, the
+// outputs of a dispatch take direct receive only inside this rank's receive pool (receive_pools.h).
+bool within(std::initializer_list<Extent> extents, uintptr_t begin, uintptr_t end);
+
 // What the driver says of the allocation holding `ptr` (diagnostics: why a call did not use direct buffers).
 struct PointerFacts {
   int query_result = -1;   // CUresult of cuPointerGetAttributes; -1: the entry point was not found

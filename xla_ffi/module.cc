@@ -20,6 +20,7 @@
 #include "jax_ep/nvshmem_ops.h"
 #include "jax_ep/staging_layout.h"
 #include "direct_buffers.h"
+#include "receive_pools.h"
 #include "op_state.h"
 #include "registry.h"
 #include "test_hooks.h"
@@ -170,6 +171,40 @@ void def_groups(nb::module_& m) {
       "One process per GPU (NVSHMEM): registers this process's rank of a group whose buffers the caller allocated "
       "and mapped (peer_bases[r] = rank r's buffer as this device addresses it, e.g. nvshmem_ptr). The buffer must "
       "be zeroed before the first op; jax_ep never frees it. Returns the group id.");
+  m.def(
+      "group_set_receive_pool",
+      [](int64_t id, uintptr_t begin, int64_t bytes, const std::vector<int64_t>& delta) {
+        throw_if_error(jax_ep::set_receive_pool(id, begin, bytes, delta));
+      },
+      nb::arg("id"), nb::arg("begin"), nb::arg("bytes"), nb::arg("delta"),
+      "One process per GPU: this rank's receive pool [begin, begin + bytes) and delta[d] = where rank d addresses a "
+      "byte of it minus where this rank does. Every rank of the group registers one or none (receive_pools.py).");
+  m.def(
+      "receive_pool_export",
+      [](uintptr_t ptr) {
+        jax_ep::receive_pools::Exported e;
+        throw_if_error(jax_ep::receive_pools::export_pool(ptr, &e));
+        return nb::make_tuple(e.fd, e.base, e.bytes);
+      },
+      nb::arg("ptr"),
+      "(fd, base, bytes): the allocation of the virtual-memory mapping holding device pointer ptr (XLA's pool) "
+      "exported as a POSIX file descriptor (the caller closes it), and the mapping's range.");
+  m.def(
+      "receive_pool_import",
+      [](int fd, int64_t pid, uintptr_t base, int64_t bytes, int ordinal, int64_t probe_offset, nb::bytes expect) {
+        uintptr_t local = 0;
+        const std::string want(expect.c_str(), expect.size());
+        {
+          nb::gil_scoped_release release;
+          throw_if_error(
+              jax_ep::receive_pools::import_pool(fd, pid, base, bytes, ordinal, probe_offset, want, &local));
+        }
+        return local;
+      },
+      nb::arg("fd"), nb::arg("pid"), nb::arg("base"), nb::arg("bytes"), nb::arg("ordinal"), nb::arg("probe_offset"),
+      nb::arg("expect"),
+      "Maps another process's exported pool (receive_pool_export there) for CUDA device `ordinal` of this process, "
+      "checks that `expect` lies at probe_offset, and returns where this process addresses the pool's first byte.");
   m.def(
       "group_warmup",
       [](int64_t id, uint64_t timeout_ns) {

@@ -135,19 +135,22 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, OpState* st, AnyBuf x,
     p.num_sms = num_sms;
     p.copy_blocks = copy_blocks_for(sm_count);
     if (Status s = ensure_device(ordinal); !s.ok()) return ToFfi(kDispatch, s);
-    // Direct receive: the NVLink kernels (no rank behind NVSHMEM) of a group in this process, whose peers can
-    // address these outputs (normal_params.h: RecvTargets).
-    p.direct_receive = view->in_process && !g.remote.any() && direct_buffers::enabled() &&
-                       direct_buffers::peer_addressable({{p.recv_x, C * row_bytes},
-                                                         {p.recv_x_scales, C * S * 4},
-                                                         {p.recv_topk_idx, C * K * 4},
-                                                         {p.recv_topk_weights, C * K * 4},
-                                                         {p.recv_src_idx, C * 4},
-                                                         {p.recv_src_rank, C * 4}},
-                                                        view->device_mask);
+    // Direct receive: the NVLink kernels (no rank behind NVSHMEM), where the peers can address these outputs: in
+    // one process every device maps them (normal_params.h: RecvTargets); with one process per GPU, outputs inside
+    // this rank's receive pool, which every peer mapped (receive_pools.h).
+    const std::initializer_list<direct_buffers::Extent> outputs = {
+        {p.recv_x, C * row_bytes}, {p.recv_x_scales, C * S * 4}, {p.recv_topk_idx, C * K * 4},
+        {p.recv_topk_weights, C * K * 4}, {p.recv_src_idx, C * 4}, {p.recv_src_rank, C * 4}};
+    const bool pooled = !view->in_process && view->receive_pool_end > view->receive_pool_begin;
+    p.direct_receive = !g.remote.any() && direct_buffers::enabled() &&
+                       (view->in_process ? direct_buffers::peer_addressable(outputs, view->device_mask)
+                                         : pooled && direct_buffers::within(outputs, view->receive_pool_begin,
+                                                                            view->receive_pool_end));
+    for (int d = 0; d < kMaxNvlPeers; ++d) p.receive_delta[d] = pooled ? view->receive_delta[d] : 0;
     if (p.direct_receive) direct_buffers::count_call();
-    // A group across processes never takes direct receive, so all of its ranks receive through staging.
-    p.every_rank_staged = !view->in_process;
+    // Across processes without receive pools no rank takes direct receive, so all of them receive through staging;
+    // with pools (every rank of the group has one, or none does) each rank decides for itself, as in one process.
+    p.every_rank_staged = !view->in_process && !pooled;
     if (test_hooks::skip_launch(p.g.rank)) return ffi::Error::Success();
     return ToFfi(kDispatch, normal::launch_dispatch(p, stream));
   });

@@ -122,17 +122,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
     const int d = i / L, l = i % L;
     reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.expert_counts)[me * L + l] = s_expert[d * L + l];
   }
-  // My receive targets into every rank's recv_targets[me] (zero when my rows go through staging): written every
-  // op, ordered before the count signal below like the counts.
+  // My receive targets into every rank's recv_targets[me] (zero when my rows go through staging), as rank d
+  // addresses them (receive_delta[d]): written every op, ordered before the count signal below like the counts.
   for (int d = tid; d < R; d += blockDim.x) {
     RecvTargets t{};
     if (p.direct_receive) {
-      t.rows = static_cast<char*>(p.recv_x);
-      t.scales = p.recv_x_scales;
-      t.topk_idx = p.recv_topk_idx;
-      t.weights = p.recv_topk_weights;
-      t.src_idx = p.recv_src_idx;
-      t.src_rank = p.recv_src_rank;
+      const int64_t delta = d < kMaxNvlPeers ? p.receive_delta[d] : 0;
+      const auto at = [delta](auto* q) { return q == nullptr ? q : reinterpret_cast<decltype(q)>(
+                                                                          reinterpret_cast<char*>(q) + delta); };
+      t.rows = at(static_cast<char*>(p.recv_x));
+      t.scales = at(p.recv_x_scales);
+      t.topk_idx = at(p.recv_topk_idx);
+      t.weights = at(p.recv_topk_weights);
+      t.src_idx = at(p.recv_src_idx);
+      t.src_rank = at(p.recv_src_rank);
     }
     *reinterpret_cast<RecvTargets*>(peer_base(g, d) + g.layout.recv_targets + me * kRecvTargetBytes) = t;
   }

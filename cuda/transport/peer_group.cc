@@ -246,6 +246,27 @@ Status register_external_group(int device_ordinal, int rank, const std::vector<u
   return insert_group(std::move(g), set_id, id_out);
 }
 
+Status set_receive_pool(int64_t id, uintptr_t begin, int64_t bytes, const std::vector<int64_t>& delta) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  auto it = registry().find(id);
+  if (it == registry().end()) return Status::Error("no group with id " + std::to_string(id));
+  GroupInfo& info = it->second->info;
+  const int n = static_cast<int>(info.device_ordinals.size());
+  if (info.owns_buffers) return Status::Error("receive pools are for external groups (one process per GPU)");
+  if (n > kMaxNvlPeers || static_cast<int>(delta.size()) != n)
+    return Status::Error("a receive pool needs a group of at most " + std::to_string(kMaxNvlPeers) +
+                         " ranks and one delta per rank (" + std::to_string(n) + "), got " +
+                         std::to_string(delta.size()));
+  for (char* b : it->second->buffers)
+    if (b == nullptr) return Status::Error("a receive pool needs every rank of the group mapped (one host)");
+  if (begin == 0 || bytes <= 0) return Status::Error("a receive pool needs a non-empty address range");
+  info.receive_pool_begin = begin;
+  info.receive_pool_end = begin + static_cast<uintptr_t>(bytes);
+  info.receive_delta = delta;
+  bump_generation();
+  return Status::Ok();
+}
+
 Status warmup_group(int64_t id, uint64_t timeout_ns) {
   GroupInfo info;
   std::vector<char*> bases;
@@ -359,6 +380,10 @@ Status resolve_axis(const std::string& axis, int device_ordinal, ResolvedGroup* 
       }
       if (!v.in_process) v.device_mask = 0;
       for (int r = 0; r < v.num_ranks && r < static_cast<int>(g->info.pes.size()); ++r) v.pe[r] = g->info.pes[r];
+      v.receive_pool_begin = g->info.receive_pool_begin;
+      v.receive_pool_end = g->info.receive_pool_end;
+      for (size_t r = 0; r < g->info.receive_delta.size() && r < kMaxNvlPeers; ++r)
+        v.receive_delta[r] = g->info.receive_delta[r];
       out->view = v;
       out->binding = b->second;
       out->generation = gen;

@@ -31,8 +31,11 @@ ENV_JOIN_TIMEOUT = "JAX_EP_JOIN_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAX_EP_HEARTBEAT_TIMEOUT"
 
 # Set in every child unless the user set them.
-DEFAULT_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",  # several processes share one host's GPUs' memory
-               "PYTHONUNBUFFERED": "1"}                    # output streams through the launcher as it comes
+DEFAULT_ENV = {"PYTHONUNBUFFERED": "1"}  # output streams through the launcher as it comes
+# Also set unless the user set them where processes share GPUs (several per GPU, or no GPU pinning), whose memory XLA's
+# preallocation (75% of every visible GPU) would take several times over. With GPUs of its own each process keeps
+# XLA's default, preallocation on: that pool is what the peers map for direct receive (jax_ep/runtime/receive_pools.py).
+SHARED_GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # NVLink multicast off in every child: decided in jax_ep.runtime.nvshmem_env.FORCED_ENV (imported where used).
 
 TIMEOUT_EXIT_CODE = 124

@@ -178,7 +178,7 @@ def child_envs(nproc: int, hosts: Hosts, coordinator: str, gpus: list[str] | Non
                settings: dict[str, str], forced: dict[str, str], environ=None,
                processes_per_gpu: int = 1, cpu_devices: int = 1) -> list[dict[str, str]]:
     """One environment per local process: the launcher's own, `forced` (overriding), env.DEFAULT_ENV (unless
-    set), `settings` and the job variables with global process ids, and CUDA_VISIBLE_DEVICES pinning when `gpus`
+    set; env.SHARED_GPU_ENV too without `gpus` or with processes_per_gpu > 1), `settings` and the job variables with global process ids, and CUDA_VISIBLE_DEVICES pinning when `gpus`
     is given: process i gets gpus[i*K:(i+1)*K] (K = gpus_per_process), or with processes_per_gpu P > 1 (K = 1)
     the one GPU gpus[i // P], shared by P consecutive processes, each with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
     100 // P unless set (NVSHMEM's condition for full support of several PEs per GPU: the shares add up to <= 100,
@@ -188,6 +188,9 @@ def child_envs(nproc: int, hosts: Hosts, coordinator: str, gpus: list[str] | Non
     base.update(forced)
     for k, v in E.DEFAULT_ENV.items():
         base.setdefault(k, v)
+    if not gpus or processes_per_gpu > 1:
+        for k, v in E.SHARED_GPU_ENV.items():
+            base.setdefault(k, v)
     base.update({E.ENV_COORDINATOR: coordinator, E.ENV_NUM_PROCESSES: str(hosts.num_hosts * nproc),
                  E.ENV_LOCAL_SIZE: str(nproc), E.ENV_HOST_INDEX: str(hosts.host_index),
                  E.ENV_NUM_HOSTS: str(hosts.num_hosts)})

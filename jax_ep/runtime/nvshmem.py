@@ -33,7 +33,7 @@ import jax
 
 from .. import _native
 from ..errors import EPError
-from . import agreement, teams as teams_mod
+from . import agreement, receive_pools, teams as teams_mod
 from .nvshmem_env import HEAP_HEADROOM_BYTES, NATIVE_MODULE, nvshmem_environment, parse_size
 
 log = logging.getLogger("jax_ep")
@@ -137,6 +137,7 @@ class NvshmemTransport:
     generation: int
     device_check: dict | None = None  # what this PE saw in the device-API check; None without the device library
     unmapped: dict = dataclasses.field(default_factory=dict)  # axis -> ranks out of load/store reach (other hosts)
+    receive_pools: dict = dataclasses.field(default_factory=dict)  # axis -> "on" / "off: why" (receive_pools.py)
     name: str = "nvshmem"
 
     @classmethod
@@ -167,7 +168,8 @@ class NvshmemTransport:
                      timeout_s=agreement.timeout_of(cuda_configs), timings=timings,
                      needs_device_library=any(ll_domains.values()) or any(
                          c.normal_over_nvshmem(len(pes_by_axis[c.axis_name][0])) for c in cuda_configs),
-                     ll_domains=ll_domains, forward_domains=forward_domains)
+                     ll_domains=ll_domains, forward_domains=forward_domains,
+                     device=next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -178,7 +180,7 @@ class NvshmemTransport:
     def summary(self) -> dict:
         return {"transport": self.name, "pe": self.pe, "n_pes": self.n_pes, "buffer_bytes": self.buffer_bytes,
                 "heap_bytes": self.heap_bytes, "nvshmem": self.version, "teams": [t.summary() for t in self.teams],
-                "device_check": self.device_check, "unmapped": self.unmapped}
+                "device_check": self.device_check, "unmapped": self.unmapped, "receive_pools": self.receive_pools}
 
     def teardown(self, timeout_s: float) -> None:
         teardown(self, timeout_s)
@@ -223,13 +225,13 @@ def prepare(required_heap_bytes: int) -> dict:
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
           process_id: int, num_processes: int, timeout_s: float, timings: dict,
           needs_device_library: bool = False, ll_domains: dict | None = None,
-          forward_domains: dict | None = None) -> NvshmemTransport:
+          forward_domains: dict | None = None, device=None) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_within_budget(...)[0] (every process the same); groups: axis -> list of PE tuples in rank order;
     axes: the mesh axes with CUDA configs, in the order buffers are allocated; ll_domains: axis -> NVLink domain of
     its low-latency kernels, forward_domains: axis -> node size of its forwarded normal-mode dispatch
-    (check_unmapped).
+    (check_unmapped); device: this process's jax device, whose XLA pool becomes its receive pool (None: no pools).
     """
     m = module()
     t = time.perf_counter()
@@ -277,10 +279,10 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
                                   f"{spec.pes.index(process_id)}")
         timings["teams"] = time.perf_counter() - t
 
-        device = None
+        device_api = None
         if m.has_device_library():
             t = time.perf_counter()
-            device = check_device_api(m, process_id, timeout_s)
+            device_api = check_device_api(m, process_id, timeout_s)
             timings["device_check"] = time.perf_counter() - t
             # the NVSHMEM kernels (EPConfig.low_latency_over_nvshmem, normal_over_nvshmem) for the native handlers
             _native.module().set_low_latency_nvshmem_ops(m.low_latency_nvshmem_ops())
@@ -315,6 +317,15 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
         timings["allocate"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        pools: dict = {}
+        for axis in axes if device is not None else ():
+            pes = next(p for p in groups[axis] if process_id in p)
+            pools[axis] = receive_pools.connect(
+                generation=generation, axis=axis, native_id=native_ids[axis], pes=tuple(pes), process_id=process_id,
+                device=device, device_ordinal=device_ordinal, unmapped=unmapped[axis], timeout_s=timeout_s)
+        timings["receive_pools"] = time.perf_counter() - t
+
+        t = time.perf_counter()
         timeout_ns = int(timeout_s * 1e9)
         for axis in axes:
             _native.module().group_warmup(native_ids[axis], timeout_ns)
@@ -332,7 +343,7 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
     return NvshmemTransport(pe=process_id, n_pes=num_processes, device_ordinal=device_ordinal, teams=made,
                      buffers=buffers, native_ids=native_ids, buffer_bytes=buffer_bytes,
                      heap_bytes=int(_process["heap_bytes"] or 0), version=m.runtime_version(), generation=generation,
-                     device_check=device, unmapped=unmapped)
+                     device_check=device_api, unmapped=unmapped, receive_pools=pools)
 
 
 def check_unmapped(axis: str, rank: int, unmapped: list, ll_domain: int | None,

@@ -9,6 +9,7 @@ process models. Skips (saying why) where there are not enough GPUs, or the nativ
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,19 +75,28 @@ def _lines(out, tag):
 
 
 # (n, nvl): nvl < n runs the NVSHMEM kernels (simulated nodes of nvl GPUs); nvl = n the NVLink kernels through
-# NVSHMEM's peer pointers, with low_latency_mode="per_rank" too (it has NVLink kernels only)
-@pytest.mark.parametrize("n,nvl", [(4, 2), (2, 1), (4, 4)])
-def test_one_process_per_gpu_matches_reference_and_single_process(n, nvl, tmp_path):
+# NVSHMEM's peer pointers, with low_latency_mode="per_rank" too (it has NVLink kernels only). pools: XLA's preallocation
+# on, so every process maps every peer's pool and dispatch takes direct receive (receive pools); off, dispatch goes
+# through staging (send_copy_kernel).
+@pytest.mark.parametrize("n,nvl,pools", [(4, 2, False), (2, 1, False), (4, 4, True), (2, 2, False)])
+def test_one_process_per_gpu_matches_reference_and_single_process(n, nvl, pools, tmp_path):
     _require(n)
     multi, single = str(tmp_path / "multi.npz"), str(tmp_path / "single.npz")
-    out = _launch(n, "--out", multi, "--nvl", str(nvl), "--mismatch")
-    for tag in ("runtime", "device_check", "teams", "normal_kernels", "correctness", "reinitialize", "mismatch",
-                "after_mismatch", "done"):
+    out = _launch(n, "--out", multi, "--nvl", str(nvl), "--mismatch",
+                  env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true" if pools else "false"})
+    for tag in ("runtime", "receive_pools", "device_check", "teams", "normal_kernels", "correctness", "reinitialize",
+                "mismatch", "after_mismatch", "done"):
         assert sorted(_lines(out, tag)) == list(range(n)), f"{tag} missing from some rank\n{out}"
     for line in _lines(out, "normal_kernels").values():  # R > num_max_nvl_peers: the NVSHMEM normal-mode kernels
         assert f"nvshmem=[{int(n > nvl)}]" in line, line
     for line in _lines(out, "runtime").values():
         assert "model=multi-process transport=nvshmem" in line, line
+    for line in _lines(out, "receive_pools").values():
+        states = list(json.loads(line.split("pools=", 1)[1]).values())
+        assert states and all(s == "on" if pools else s.startswith("off: ") for s in states), line
+    for line in _lines(out, "correctness").values():  # dispatch calls that took direct receive
+        calls = int(re.search(r"direct_calls=(\d+)", line).group(1))
+        assert (calls > 0) == pools, line
     for line in _lines(out, "device_check").values():
         assert f"n_pes={n} complete={n}" in line or "ran=False" in line, line
     for line in _lines(out, "mismatch").values():

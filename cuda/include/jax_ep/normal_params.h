@@ -67,6 +67,9 @@ struct DispatchParams {
   int32_t num_sms;                      // blocks of the NVLink-sending kernel
   int32_t copy_blocks;                  // blocks of the local copy-out kernel
   bool direct_receive;                  // publish the outputs as this rank's RecvTargets (NVLink kernels only)
+  // Direct receive with one process per GPU: destination d addresses this rank's outputs at their address plus
+  // receive_delta[d] (its mapping of this rank's receive pool); 0 in one process, where every device shares them.
+  int64_t receive_delta[kMaxNvlPeers];
   // Every rank of the group receives this op through staging (its ranks are in different processes): the NVLink
   // kernels then copy out under the send (send_copy_kernel). false: the ranks share this process and each decides
   // for itself whether it takes direct receive, so a group may mix both ways; a rank through staging then runs the

@@ -29,6 +29,10 @@ struct GroupInfo {
   std::vector<uintptr_t> buffers;      // staging base per rank (device addresses, for diagnostics)
   std::vector<int> sm_counts;
   std::vector<int> pes;                // external groups: NVSHMEM world PE of every rank (empty: not given)
+  // External groups with a receive pool (set_receive_pool): this rank's pool [begin, end) and, per rank d, where d
+  // addresses a byte of it minus where this rank does. end == begin: none.
+  uintptr_t receive_pool_begin = 0, receive_pool_end = 0;
+  std::vector<int64_t> receive_delta;
 };
 
 // What a handler needs for one device of a group.
@@ -44,6 +48,10 @@ struct GroupDeviceView {
   // CUDA ordinal o of every rank (0, and in_process false, for external groups and for ordinals >= 64)
   bool in_process = false;
   uint64_t device_mask = 0;
+  // One process per GPU: a dispatch's outputs that lie in [receive_pool_begin, receive_pool_end) may take direct
+  // receive, published to rank d displaced by receive_delta[d] (GroupInfo; xla_ffi/receive_pools.h). Empty: none.
+  uintptr_t receive_pool_begin = 0, receive_pool_end = 0;
+  int64_t receive_delta[kMaxNvlPeers] = {};
 
   GroupDeviceView() {
     for (int32_t& p : pe) p = -1;
@@ -65,6 +73,13 @@ Status destroy_group(int64_t id);
 Status register_external_group(int device_ordinal, int rank, const std::vector<uintptr_t>& peer_bases,
                                int64_t buffer_bytes, int64_t set_id, int64_t* id_out,
                                const std::vector<int>& pes = {});
+
+// One process per GPU (external groups of at most kMaxNvlPeers ranks, every one mapped): registers this rank's
+// receive pool, [begin, begin + bytes) of this process, and delta[d] = where rank d addresses a byte of it minus where
+// this rank does (delta[rank] = 0). Every rank of the group must register one, or none: with pools, a dispatch's
+// ranks each decide whether they take direct receive (DispatchParams::every_rank_staged false). Handlers see it from
+// their next resolution on (bumps the generation).
+Status set_receive_pool(int64_t id, uintptr_t begin, int64_t bytes, const std::vector<int64_t>& delta);
 
 // Runs one group barrier on this process's device(s) of the group and waits for it: every rank must call it (a
 // collective warm-up; in-process groups run it inside create_group). Returns an error instead of hanging when a

@@ -50,6 +50,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+import jax_ep._native  # noqa: E402
 
 
 result = reporter(pid)
@@ -87,6 +88,8 @@ assert rt.process_model == want_model and rt.backends[cfgs["cuda"]] == "cuda", r
 assert rt.transport == ("nvshmem" if per_gpu else "cuda-peer"), rt.transport
 result("runtime", model=rt.process_model, transport=rt.transport, seconds=f"{init_s:.3f}",
        timings=json.dumps({k: round(v * 1e3, 2) for k, v in rt.timings.items()}))
+if per_gpu:  # receive pools per axis: "on" / "off: why" (direct receive across processes)
+    result("receive_pools", pools=json.dumps(rt.transport_state.summary()["receive_pools"]))
 
 # ---- the NVSHMEM device-API check of initialize: every PE's counted messages arrived intact ----
 if per_gpu:
@@ -254,7 +257,8 @@ for k in ("grad_x", "grad_w"):
     assert np.isfinite(ga).all() and rel < 1e-2, f"{k}: relative error {rel:.2e}"
 assert int(got["num_recv_tokens"].sum()) > 0
 result("correctness", exact=len(exact), rows=int(got["num_recv_tokens"].sum()),
-       y_checksum=float(got["y"].astype(np.float64).sum()))
+       y_checksum=float(got["y"].astype(np.float64).sum()),
+       direct_calls=jax_ep._native.module().direct_buffer_calls())
 
 # ---- finalize, initialize again, same outputs ----
 jax_ep.finalize()
