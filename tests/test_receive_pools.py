@@ -9,6 +9,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 import uuid
 
 import jax
@@ -41,7 +42,8 @@ def test_serve_hands_the_descriptor_to_a_process_of_the_group():
         f.write(b"pool bytes")
         f.flush()
         errors: list = []
-        t = threading.Thread(target=receive_pools._serve, args=(listener, f.fileno(), {os.getpid()}, errors))
+        t = threading.Thread(target=receive_pools._serve,
+                             args=(listener, f.fileno(), {os.getpid()}, errors, time.monotonic() + 10))
         t.start()
         fds = _fetch(name)
         t.join(10)
@@ -57,12 +59,13 @@ def test_serve_refuses_a_process_outside_the_group():
     with tempfile.TemporaryFile() as f, listener:
         errors: list = []
         stranger = os.getpid() + 1  # the group's only pid is not this process's
-        t = threading.Thread(target=receive_pools._serve, args=(listener, f.fileno(), {stranger}, errors))
+        t = threading.Thread(target=receive_pools._serve,
+                             args=(listener, f.fileno(), {stranger}, errors, time.monotonic() + 1.0))
         t.start()
-        assert _fetch(name) == []
+        assert _fetch(name) == []  # this process is refused: no descriptor
         t.join(10)
         assert not t.is_alive()
-        assert len(errors) == 1 and f"process {os.getpid()}" in errors[0] and "not of this group" in errors[0], errors
+        assert errors == [f"processes with pids [{stranger}] did not take this process's pool in time"], errors
 
 
 class _FakeClient:
@@ -104,6 +107,8 @@ def fakes(monkeypatch):
     client = _FakeClient()
     monkeypatch.setattr(agreement, "client", lambda: client)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    monkeypatch.setattr(receive_pools, "_pool_bytes", lambda device: 1 << 20)  # the fake export's mapping size
     return client
 
 
@@ -127,11 +132,15 @@ def test_a_group_of_one_registers_its_pool(fakes, monkeypatch):
 @pytest.mark.parametrize("setup,why", [
     (dict(env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}), "XLA's preallocation is off"),
     (dict(unmapped=[1]), "ranks [1] are on other hosts"),
-    (dict(export_error="allows no POSIX file descriptor"), "XLA's pool cannot be exported: allows no POSIX"),
+    (dict(env={"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}), "XLA_PYTHON_CLIENT_ALLOCATOR=platform"),
+    (dict(export_error="allows no POSIX file descriptor"), "XLA's pool cannot be offered: allows no POSIX"),
+    (dict(pool_bytes=4 << 20), "the probe's mapping (1048576 bytes) is not XLA's pool (4194304 bytes)"),
 ])
 def test_a_process_that_cannot_offer_its_pool_turns_pools_off(fakes, monkeypatch, setup, why):
     for k, v in setup.get("env", {}).items():
         monkeypatch.setenv(k, v)
+    if "pool_bytes" in setup:  # a mapping of its own per buffer, not XLA's pool: freed with the probe
+        monkeypatch.setattr(receive_pools, "_pool_bytes", lambda device: setup["pool_bytes"])
     native = _FakeNative(setup.get("export_error"))
     got = _connect(native, monkeypatch, unmapped=setup.get("unmapped", []))
     assert got.startswith("off: process 0: ") and why in got, got

@@ -300,11 +300,12 @@ int two_role_grid(const void* kernel, int num_sms, int* blocks) {
 }
 
 // The shared tail of dispatch and cached dispatch. NVLink kernels, every rank of the group through staging
-// (every_rank_staged: a group across processes, or cached dispatch): one kernel pushes the rows to the peers and
-// copies them out of this rank's staging as they land (send_copy_kernel), then one warp waits until every rank's send
-// has ended (its data signal: the count exchange and barrier of the next op rely on it). Otherwise (a group of one
-// process, whose ranks may mix direct receive and staging: DispatchParams::every_rank_staged) the send kernel, the
-// wait, and through staging the copy-out with all SMs; with direct receive the send kernel pads and no copy-out runs.
+// (every_rank_staged: a group across processes without receive pools, or cached dispatch): one kernel pushes the rows
+// to the peers and copies them out of this rank's staging as they land (send_copy_kernel), then one warp waits until
+// every rank's send has ended (its data signal: the count exchange and barrier of the next op rely on it). Otherwise
+// (one process, or receive pools: ranks may mix direct receive and staging; DispatchParams::every_rank_staged) the
+// send kernel, the wait, and through staging the copy-out with all SMs; with direct receive the send kernel pads and
+// no copy-out runs.
 // NVSHMEM kernels: send and wait, then the copy-out with all SMs. Only one-warp kernels and the two-role kernel's
 // receiving blocks (and its senders once done) spin.
 Status launch_send_wait_copy(SendArgs s, const RecvArgs& r, int num_sms, int copy_blocks,

@@ -169,7 +169,9 @@ class NvshmemTransport:
                      needs_device_library=any(ll_domains.values()) or any(
                          c.normal_over_nvshmem(len(pes_by_axis[c.axis_name][0])) for c in cuda_configs),
                      ll_domains=ll_domains, forward_domains=forward_domains,
-                     device=next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+                     device=next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                     pool_axes={c.axis_name for c in cuda_configs
+                                if not c.normal_over_nvshmem(len(pes_by_axis[c.axis_name][0]))})
 
     def set_id(self, axis: str) -> int:
         return self.native_ids[axis]  # one process per GPU: this process's group is its own set
@@ -225,13 +227,14 @@ def prepare(required_heap_bytes: int) -> dict:
 def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes: int, device_ordinal: int,
           process_id: int, num_processes: int, timeout_s: float, timings: dict,
           needs_device_library: bool = False, ll_domains: dict | None = None,
-          forward_domains: dict | None = None, device=None) -> NvshmemTransport:
+          forward_domains: dict | None = None, device=None, pool_axes=()) -> NvshmemTransport:
     """Bootstrap (once per process), teams, symmetric buffers and external groups, warm-up. Collective.
 
     plan: teams.plan_within_budget(...)[0] (every process the same); groups: axis -> list of PE tuples in rank order;
     axes: the mesh axes with CUDA configs, in the order buffers are allocated; ll_domains: axis -> NVLink domain of
     its low-latency kernels, forward_domains: axis -> node size of its forwarded normal-mode dispatch
-    (check_unmapped); device: this process's jax device, whose XLA pool becomes its receive pool (None: no pools).
+    (check_unmapped); device: this process's jax device, whose XLA pool becomes its receive pool on each axis of
+    pool_axes (those whose normal mode runs the NVLink kernels; receive_pools.py).
     """
     m = module()
     t = time.perf_counter()
@@ -318,7 +321,7 @@ def setup(*, generation: int, plan: list, groups: dict, axes: list, buffer_bytes
 
         t = time.perf_counter()
         pools: dict = {}
-        for axis in axes if device is not None else ():
+        for axis in [a for a in axes if a in pool_axes] if device is not None else ():
             pes = next(p for p in groups[axis] if process_id in p)
             pools[axis] = receive_pools.connect(
                 generation=generation, axis=axis, native_id=native_ids[axis], pes=tuple(pes), process_id=process_id,

@@ -19,7 +19,9 @@ then come from mappings XLA makes as it grows, which no peer mapped.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
 import os
 import socket
 import struct
@@ -34,19 +36,62 @@ from .. import _native
 from ..errors import EPError
 
 PROBE_BYTES = 64
+MAX_RANKS = 8  # kMaxNvlPeers: the NVLink kernels' largest group
+log = logging.getLogger("jax_ep")
+
+
+def _pool_bytes(device) -> int | None:
+    """The size of XLA's memory pool on `device` as XLA reports it, or None."""
+    stats = device.memory_stats() or {}
+    got = stats.get("pool_bytes") or stats.get("bytes_limit")
+    return int(got) if got else None
 
 
 def _local_reason(group_size: int, unmapped: list) -> str | None:
-    """Why this process cannot offer its pool, or None."""
+    """Why this process cannot offer its pool before looking at it, or None."""
     if not _native.module().direct_buffers_enabled():
         return "direct buffers are off in this process (JAX_EP_DIRECT_BUFFERS=0)"
     if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
         return "XLA's preallocation is off (XLA_PYTHON_CLIENT_PREALLOCATE=false): no pool to map"
+    allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower()
+    if allocator not in ("default", "bfc"):
+        return f"XLA_PYTHON_CLIENT_ALLOCATOR={allocator}: no preallocated pool to map"
     if unmapped:
         return f"ranks {unmapped} are on other hosts"
-    if group_size > 8:
-        return f"the group has {group_size} ranks (at most 8 share one host's NVLink kernels)"
+    if group_size > MAX_RANKS:
+        return f"the group has {group_size} ranks (at most {MAX_RANKS} share one host's NVLink kernels)"
     return None
+
+
+def _offer(device, deadline: float, listeners: int):
+    """(record, fd, listener, probe): this process's pool exported, a socket to hand it out, and the probe array
+    placed in it; or a record saying why not (fd -1, no listener)."""
+    probe_bytes = os.urandom(PROBE_BYTES)
+    fd, listener = -1, None
+    try:
+        import jax
+
+        probe = jax.device_put(np.frombuffer(probe_bytes, np.uint8), device)
+        probe.block_until_ready()
+        ptr = probe.unsafe_buffer_pointer()
+        fd, base, size = _native.module().receive_pool_export(ptr)
+        pool = _pool_bytes(device)
+        # the mapping must be XLA's whole preallocated pool, which XLA never unmaps; a mapping of its own per buffer
+        # (another allocator) would be freed with the probe while the peers still map it
+        if pool is None or size < 0.9 * pool:
+            raise RuntimeError(f"the probe's mapping ({size} bytes) is not XLA's pool ({pool} bytes)")
+        name = f"\0jax_ep_receive_pool_{uuid.uuid4().hex}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(name)
+        listener.listen(listeners)
+        return ({"ok": True, "why": None, "pid": os.getpid(), "base": base, "bytes": size, "probe_offset": ptr - base,
+                 "probe": probe_bytes.hex(), "socket": name}, fd, listener, probe)
+    except Exception as e:  # any local failure turns pools off for the group, never leaves the peers waiting
+        if fd >= 0:
+            os.close(fd)
+        if listener is not None:
+            listener.close()
+        return {"ok": False, "why": f"XLA's pool cannot be offered: {e}"}, -1, None, None
 
 
 def _gather(generation: int, step: str, axis: str, record: dict, pes: tuple, process_id: int,
@@ -68,22 +113,70 @@ def _gather(generation: int, step: str, axis: str, record: dict, pes: tuple, pro
     return got
 
 
-def _serve(listener: socket.socket, fd: int, peers: set, errors: list) -> None:
-    """Hands `fd` to one connection from each process id in `peers` (pids, as SO_PEERCRED reports them): a
-    connection from any other process, or of another user, gets nothing and is an error (no pools anywhere)."""
+def _serve(listener: socket.socket, fd: int, peers: set, errors: list, until: float) -> None:
+    """Hands `fd` to one connection from each process id in `peers` (pids, as SO_PEERCRED reports them) until
+    `until`; a connection from any other process, or of another user, gets nothing."""
+    left = set(peers)
     try:
-        for _ in range(len(peers)):
+        while left and time.monotonic() < until:
+            listener.settimeout(max(0.01, until - time.monotonic()))
             conn, _ = listener.accept()
             with conn:
                 pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                      struct.calcsize("3i")))
-                if pid not in peers or uid != os.getuid():
-                    errors.append(f"process {pid} (uid {uid}), not of this group, asked for this process's pool")
+                if pid not in left or uid != os.getuid():
+                    log.warning("jax_ep.initialize: process %d (uid %d), not of this EP group, asked for this "
+                                "process's receive pool; refused", pid, uid)
                     continue
-                peers = peers - {pid}
                 socket.send_fds(conn, [b"p"], [fd])
+                left.discard(pid)
+    except TimeoutError:  # `until` passed with peers left: said below
+        pass
     except OSError as e:
         errors.append(f"handing out the pool: {e}")
+    if left:
+        errors.append(f"processes with pids {sorted(left)} did not take this process's pool in time")
+
+
+def _fetch(peer: dict, until: float) -> int:
+    """The descriptor of a peer's pool, from its socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(max(0.01, until - time.monotonic()))
+        s.connect(peer["socket"])
+        _, fds, _, _ = socket.recv_fds(s, 16, 1)
+    if not fds:
+        raise OSError("no descriptor received (refused by the peer)")
+    return fds[0]
+
+
+def _map_peers(offered: dict, peers: list, device_ordinal: int, until: float, errors: list) -> dict:
+    """Fetches every peer's descriptor (each peer in turn, whatever failed before, so every server finishes), then
+    maps the pools in parallel. Returns {str(pe): where this process maps pe's pool}."""
+    fds: dict = {}
+    for pe in peers:
+        try:
+            fds[pe] = _fetch(offered[pe], until)
+        except OSError as e:
+            errors.append(f"fetching the pool of process {pe}: {e}")
+
+    def map_one(pe):
+        peer = offered[pe]
+        try:
+            return _native.module().receive_pool_import(fds[pe], peer["pid"], peer["base"], peer["bytes"],
+                                                        device_ordinal, peer["probe_offset"],
+                                                        bytes.fromhex(peer["probe"]))
+        finally:
+            os.close(fds[pe])
+
+    mapped: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fds))) as pool:
+        futures = {pe: pool.submit(map_one, pe) for pe in fds}
+        for pe, f in futures.items():
+            try:
+                mapped[str(pe)] = f.result()
+            except RuntimeError as e:
+                errors.append(f"mapping the pool of process {pe}: {e}")
+    return mapped
 
 
 def _first_off(records: dict) -> str | None:
@@ -97,64 +190,23 @@ def connect(*, generation: int, axis: str, native_id: int, pes: tuple, process_i
             device_ordinal: int, unmapped: list, timeout_s: float) -> str:
     """Collective over the processes in `pes` (rank order): maps every member's pool into every other member and
     registers this rank's pool with group `native_id`. Returns "on" or "off: <why>" (the same on every member)."""
-    import jax
-
     deadline = time.monotonic() + timeout_s
+    until = deadline - min(10.0, timeout_s / 4)  # the socket steps end here: time is left for the last exchange
     why = _local_reason(len(pes), unmapped)
-    fd, listener, probe = -1, None, None
-    record = {"ok": False, "why": why}
+    record, fd, listener, probe = ({"ok": False, "why": why}, -1, None, None) if why else _offer(device, deadline,
+                                                                                                    len(pes))
     try:
-        if why is None:
-            probe_bytes = os.urandom(PROBE_BYTES)
-            probe = jax.device_put(np.frombuffer(probe_bytes, np.uint8), device)
-            probe.block_until_ready()
-            ptr = probe.unsafe_buffer_pointer()
-            try:
-                fd, base, size = _native.module().receive_pool_export(ptr)
-            except RuntimeError as e:
-                record["why"] = f"XLA's pool cannot be exported: {e}"
-            else:
-                name = f"\0jax_ep_receive_pool_{uuid.uuid4().hex}"
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(name)
-                listener.listen(len(pes))
-                listener.settimeout(max(1.0, deadline - time.monotonic()))
-                record = {"ok": True, "why": None, "pid": os.getpid(), "base": base, "bytes": size,
-                          "probe_offset": ptr - base, "probe": probe_bytes.hex(), "socket": name}
         offered = _gather(generation, "offer", axis, record, pes, process_id, deadline)
         off = _first_off(offered)
         if off is not None:
             return f"off: {off}"
-
         errors: list = []
-        peer_pids = {offered[pe]["pid"] for pe in pes if pe != process_id}
-        server = threading.Thread(target=_serve, args=(listener, fd, peer_pids, errors), daemon=True)
+        peers = [pe for pe in pes if pe != process_id]
+        server = threading.Thread(target=_serve, args=(listener, fd, {offered[pe]["pid"] for pe in peers}, errors,
+                                                       until), daemon=True)
         server.start()
-        mapped: dict = {}
-        for pe in pes:
-            if pe == process_id:
-                continue
-            peer = offered[pe]
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.settimeout(max(1.0, deadline - time.monotonic()))
-                    s.connect(peer["socket"])
-                    _, fds, _, _ = socket.recv_fds(s, 16, 1)
-                if not fds:
-                    raise OSError("no descriptor received")
-                try:
-                    mapped[str(pe)] = _native.module().receive_pool_import(
-                        fds[0], peer["pid"], peer["base"], peer["bytes"], device_ordinal, peer["probe_offset"],
-                        bytes.fromhex(peer["probe"]))
-                finally:
-                    for f in fds:
-                        os.close(f)
-            except (OSError, RuntimeError) as e:
-                errors.append(f"mapping the pool of process {pe}: {e}")
-                break
-        server.join(max(0.0, deadline - time.monotonic()))
-        if server.is_alive():
-            errors.append("a peer did not take this process's pool in time")
+        mapped = _map_peers(offered, peers, device_ordinal, until, errors)
+        server.join(max(0.0, until - time.monotonic()) + 1.0)
         done = _gather(generation, "mapped", axis, {"ok": not errors, "why": "; ".join(errors), "local": mapped},
                        pes, process_id, deadline)
         off = _first_off(done)

@@ -70,10 +70,11 @@ struct DispatchParams {
   // Direct receive with one process per GPU: destination d addresses this rank's outputs at their address plus
   // receive_delta[d] (its mapping of this rank's receive pool); 0 in one process, where every device shares them.
   int64_t receive_delta[kMaxNvlPeers];
-  // Every rank of the group receives this op through staging (its ranks are in different processes): the NVLink
-  // kernels then copy out under the send (send_copy_kernel). false: the ranks share this process and each decides
-  // for itself whether it takes direct receive, so a group may mix both ways; a rank through staging then runs the
-  // send kernel (which reads every destination's RecvTargets), the wait and the copy-out after them.
+  // Every rank of the group receives this op through staging (its ranks are in different processes without receive
+  // pools): the NVLink kernels then copy out under the send (send_copy_kernel). false: each rank decides for itself
+  // whether it takes direct receive (one process, or receive pools across processes), so a group may mix both ways;
+  // a rank through staging then runs the send kernel (which reads every destination's RecvTargets), the wait and the
+  // copy-out after them.
   bool every_rank_staged;
 };
 
