@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "driver_entry.h"
+#include "jax_ep/device_restorer.h"
 
 namespace jax_ep::receive_pools {
 namespace {
@@ -65,19 +66,6 @@ const Driver& driver() {
 Status driver_error(const char* call, CUresult r) {
   return Status::Error(std::string(call) + " failed with CUresult " + std::to_string(static_cast<int>(r)));
 }
-
-// Restores the calling thread's current device on scope exit.
-class DeviceRestorer {
- public:
-  DeviceRestorer() { ok_ = cudaGetDevice(&device_) == cudaSuccess; }
-  ~DeviceRestorer() {
-    if (ok_) cudaSetDevice(device_);
-  }
-
- private:
-  int device_ = 0;
-  bool ok_ = false;
-};
 
 // Imported mappings by (exporter pid, its base, bytes): where this process maps each. Never unmapped.
 std::mutex imports_mu;

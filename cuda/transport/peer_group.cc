@@ -14,6 +14,7 @@
 
 #include "jax_ep/api.h"
 #include "jax_ep/constants.h"
+#include "jax_ep/device_restorer.h"
 #include "jax_ep/signal_header.h"
 #include "jax_ep/staging_layout.h"
 
@@ -48,19 +49,6 @@ int64_t next_id = 1;
 // valid while the generation it was made under is current; the counter starts at 1 so 0 means "nothing cached".
 std::atomic<uint64_t> generation{1};
 void bump_generation() { generation.fetch_add(1, std::memory_order_acq_rel); }
-
-// Restores the calling thread's current device on scope exit (group setup switches devices).
-class DeviceRestorer {
- public:
-  DeviceRestorer() { ok_ = cudaGetDevice(&device_) == cudaSuccess; }
-  ~DeviceRestorer() {
-    if (ok_) cudaSetDevice(device_);
-  }
-
- private:
-  int device_ = 0;
-  bool ok_ = false;
-};
 
 Status free_buffers(const std::vector<int>& ordinals, std::vector<char*>& buffers) {
   Status first;
