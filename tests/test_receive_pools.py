@@ -159,3 +159,124 @@ def test_every_member_reaches_the_same_outcome(fakes, monkeypatch):
 def test_a_member_that_never_offers_is_an_error_naming_it(fakes, monkeypatch):
     with pytest.raises(EPError, match="process 1 published no receive pool"):
         _connect(_FakeNative(), monkeypatch, pes=(0, 1), timeout_s=0.2)
+
+
+class _BlockingClient(_FakeClient):
+    """The key-value store shared by the members of a group (threads here), whose gets wait for the key."""
+
+    def __init__(self):
+        super().__init__()
+        self.cv = threading.Condition()
+
+    def key_value_set(self, k, v):
+        with self.cv:
+            self.kv[k] = v
+            self.cv.notify_all()
+
+    def blocking_key_value_get(self, k, timeout_ms):
+        with self.cv:
+            if not self.cv.wait_for(lambda: k in self.kv, timeout_ms / 1000):
+                raise TimeoutError(k)
+            return self.kv[k]
+
+
+class _GroupNative(_FakeNative):
+    """Every member's driver layer (members are threads named m0, m1, ...): member m's pool starts at (m + 1) << 32,
+    and member m maps member p's pool at ((m + 1) << 40) + (p << 32). import_fails: members whose imports raise."""
+
+    def __init__(self, import_fails=()):
+        super().__init__()
+        self.import_fails, self.imports = set(import_fails), []
+
+    @staticmethod
+    def member():
+        return int(threading.current_thread().name[1:])
+
+    def receive_pool_export(self, ptr):
+        r, w = os.pipe()
+        os.close(w)
+        return r, (self.member() + 1) << 32, 1 << 20
+
+    def receive_pool_import(self, fd, pid, base, nbytes, ordinal, probe_offset, expect):
+        os.fstat(fd)  # a descriptor that is open in this process
+        m, p = self.member(), (base >> 32) - 1
+        self.imports.append((m, p, pid, nbytes, len(expect)))
+        if m in self.import_fails:
+            raise RuntimeError("cuMemMap failed with CUresult 2")
+        return ((m + 1) << 40) + (p << 32)
+
+    def group_set_receive_pool(self, native_id, begin, nbytes, delta):
+        self.registered.append((self.member(), begin, nbytes, list(delta)))
+
+
+def _run_group(native, monkeypatch, members=2, timeout_s=10.0):
+    client = _BlockingClient()
+    monkeypatch.setattr(agreement, "client", lambda: client)
+    monkeypatch.setattr(receive_pools._native, "module", lambda: native)
+    monkeypatch.setattr(receive_pools, "_pool_bytes", lambda device: 1 << 20)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    got: dict = {}
+
+    def member(m):
+        try:
+            got[m] = receive_pools.connect(generation=1, axis="ep", native_id=9, pes=tuple(range(members)),
+                                           process_id=m, device=jax.devices()[0], device_ordinal=0, unmapped=[],
+                                           timeout_s=timeout_s)
+        except Exception as e:  # a member that raises shows up in the result
+            got[m] = f"raised {e}"
+
+    threads = [threading.Thread(target=member, args=(m,), name=f"m{m}") for m in range(members)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return got, time.monotonic() - t0
+
+
+def test_members_map_each_other_and_register_the_displacements(monkeypatch):
+    """Two members (threads of this process: one pid, which _serve hands out to once, as to one process)."""
+    native = _GroupNative()
+    got, _ = _run_group(native, monkeypatch, members=2)
+    assert got == {0: "on", 1: "on"}, got
+    assert sorted((m, p) for m, p, *_ in native.imports) == [(0, 1), (1, 0)]
+    assert all(pid == os.getpid() and n == 1 << 20 and probe == receive_pools.PROBE_BYTES
+               for _, _, pid, n, probe in native.imports)
+    # member m: delta[d] = where d maps m's pool - where m has it
+    want = {m: [0 if d == m else ((d + 1) << 40) + (m << 32) - ((m + 1) << 32) for d in range(2)] for m in range(2)}
+    assert {m: delta for m, _, _, delta in native.registered} == want
+    assert {m: begin for m, begin, _, _ in native.registered} == {m: (m + 1) << 32 for m in range(2)}
+
+
+def test_a_member_that_cannot_map_turns_pools_off_everywhere_without_waiting_out_the_timeout(monkeypatch):
+    native = _GroupNative(import_fails={1})
+    got, seconds = _run_group(native, monkeypatch, members=2, timeout_s=20.0)
+    assert got[0] == got[1] and got[0].startswith("off: process 1: mapping the pool of process 0: cuMemMap"), got
+    assert native.registered == []
+    assert seconds < 5, seconds
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+@pytest.mark.parametrize("stats,want", [(None, None), ({}, None), ({"pool_bytes": 0, "bytes_limit": 5}, 5),
+                                        ({"pool_bytes": 7, "bytes_limit": 5}, 7)])
+def test_pool_bytes_reads_xla_s_memory_stats(stats, want):
+    assert receive_pools._pool_bytes(_Device(stats)) == want
+
+
+def test_local_reasons(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    native = _FakeNative()
+    monkeypatch.setattr(receive_pools._native, "module", lambda: native)
+    assert receive_pools._local_reason(8, []) is None
+    assert "9 ranks" in receive_pools._local_reason(9, [])
+    native.direct_buffers_enabled = lambda: False
+    assert "JAX_EP_DIRECT_BUFFERS=0" in receive_pools._local_reason(2, [])

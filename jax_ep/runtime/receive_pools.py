@@ -19,7 +19,6 @@ then come from mappings XLA makes as it grows, which no peer mapped.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from ..errors import EPError
 
 PROBE_BYTES = 64
 MAX_RANKS = 8  # kMaxNvlPeers: the NVLink kernels' largest group
+SOCKET_SECONDS = 30.0  # the longest the descriptors' hand-over may take (a healthy one: well under a second)
 log = logging.getLogger("jax_ep")
 
 
@@ -122,8 +122,8 @@ def _serve(listener: socket.socket, fd: int, peers: set, errors: list, until: fl
             listener.settimeout(max(0.01, until - time.monotonic()))
             conn, _ = listener.accept()
             with conn:
-                pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                     struct.calcsize("3i")))
+                pid, uid, _gid = struct.unpack("iII", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                      struct.calcsize("iII")))
                 if pid not in left or uid != os.getuid():
                     log.warning("jax_ep.initialize: process %d (uid %d), not of this EP group, asked for this "
                                 "process's receive pool; refused", pid, uid)
@@ -151,31 +151,24 @@ def _fetch(peer: dict, until: float) -> int:
 
 def _map_peers(offered: dict, peers: list, device_ordinal: int, until: float, errors: list) -> dict:
     """Fetches every peer's descriptor (each peer in turn, whatever failed before, so every server finishes), then
-    maps the pools in parallel. Returns {str(pe): where this process maps pe's pool}."""
+    maps the pools one after another. Returns {str(pe): where this process maps pe's pool}."""
     fds: dict = {}
     for pe in peers:
         try:
             fds[pe] = _fetch(offered[pe], until)
         except OSError as e:
             errors.append(f"fetching the pool of process {pe}: {e}")
-
-    def map_one(pe):
+    mapped: dict = {}
+    for pe, fd in fds.items():
         peer = offered[pe]
         try:
-            return _native.module().receive_pool_import(fds[pe], peer["pid"], peer["base"], peer["bytes"],
-                                                        device_ordinal, peer["probe_offset"],
-                                                        bytes.fromhex(peer["probe"]))
+            mapped[str(pe)] = _native.module().receive_pool_import(
+                fd, peer["pid"], peer["base"], peer["bytes"], device_ordinal, peer["probe_offset"],
+                bytes.fromhex(peer["probe"]))
+        except RuntimeError as e:
+            errors.append(f"mapping the pool of process {pe}: {e}")
         finally:
-            os.close(fds[pe])
-
-    mapped: dict = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fds))) as pool:
-        futures = {pe: pool.submit(map_one, pe) for pe in fds}
-        for pe, f in futures.items():
-            try:
-                mapped[str(pe)] = f.result()
-            except RuntimeError as e:
-                errors.append(f"mapping the pool of process {pe}: {e}")
+            os.close(fd)
     return mapped
 
 
@@ -191,22 +184,24 @@ def connect(*, generation: int, axis: str, native_id: int, pes: tuple, process_i
     """Collective over the processes in `pes` (rank order): maps every member's pool into every other member and
     registers this rank's pool with group `native_id`. Returns "on" or "off: <why>" (the same on every member)."""
     deadline = time.monotonic() + timeout_s
-    until = deadline - min(10.0, timeout_s / 4)  # the socket steps end here: time is left for the last exchange
+    # the socket steps end here: time is left for the mapping and the last exchange, and a peer that cannot fetch
+    # (refused: another pid namespace) costs at most SOCKET_SECONDS
+    until = min(deadline - min(10.0, timeout_s / 4), time.monotonic() + SOCKET_SECONDS)
     why = _local_reason(len(pes), unmapped)
     record, fd, listener, probe = ({"ok": False, "why": why}, -1, None, None) if why else _offer(device, deadline,
                                                                                                     len(pes))
+    server, errors = None, []
     try:
         offered = _gather(generation, "offer", axis, record, pes, process_id, deadline)
         off = _first_off(offered)
         if off is not None:
             return f"off: {off}"
-        errors: list = []
         peers = [pe for pe in pes if pe != process_id]
         server = threading.Thread(target=_serve, args=(listener, fd, {offered[pe]["pid"] for pe in peers}, errors,
                                                        until), daemon=True)
         server.start()
         mapped = _map_peers(offered, peers, device_ordinal, until, errors)
-        server.join(max(0.0, until - time.monotonic()) + 1.0)
+        server.join(max(0.0, until - time.monotonic()) + 1.0)  # serving ends at `until`
         done = _gather(generation, "mapped", axis, {"ok": not errors, "why": "; ".join(errors), "local": mapped},
                        pes, process_id, deadline)
         off = _first_off(done)
@@ -216,6 +211,8 @@ def connect(*, generation: int, axis: str, native_id: int, pes: tuple, process_i
         _native.module().group_set_receive_pool(native_id, record["base"], record["bytes"], delta)
         return "on"
     finally:
+        if server is not None:  # it may still hand out fd: only then is fd closed
+            server.join(max(0.0, until - time.monotonic()) + 1.0)
         if fd >= 0:
             os.close(fd)
         if listener is not None:
