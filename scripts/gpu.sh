@@ -65,6 +65,8 @@ variables (default):
   KEEP_MODULES=1  copy the built .so files to the logs       PYTHON (python3)
   SCRATCH (/tmp/jax_ep_gpu)  bench results and per-process logs, kept out of $OUT
   N (2)  processes (= GPUs) of sanitize and bench-nvshmem     GPUS (all)  first-call's one-per-GPU runs
+  LAUNCH_PREALLOCATE (true)  XLA's preallocation in bench-nvshmem and chain-ab's CHAIN_PROCESSES runs (true: receive
+     pools, direct receive, as jax_ep.launch leaves it where each process has its own GPU; false: staging)
   SUITE_FILES (tests/test_native_build.py tests/gpu/test_*.py but test_multiprocess_cuda.py)  SUITE_LIMIT (300 s)
   MP_K  multiprocess as one run: pytest -k MP_K
   SAN_TOOLS (memcheck racecheck)  SAN_PROGRAMS (intranode low_latency normal device_check)
@@ -85,6 +87,8 @@ EOF
 
 LOG=${OUT:-$ROOT/gpu-logs}; SUMMARY=$LOG/summary.txt; SCRATCH=${SCRATCH:-/tmp/jax_ep_gpu}
 PY=${PYTHON:-python3}; N=${N:-2}; DRY=${DRY_RUN:-}; [ "$DRY" = 0 ] && DRY=
+# benches in one process per GPU run as the launcher leaves them by default: XLA's preallocation on (receive pools)
+LAUNCH_PREALLOCATE=${LAUNCH_PREALLOCATE:-true}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rs)
 LL_TOKENS=${LOW_LATENCY_TOKENS:-1,32,128}; SAN_KERNELS=${SAN_KERNELS-kns=nvshmem_}
 # pass/fail lines: pytest's summary, compute-sanitizer's, the programs' "...: OK", the examples', errors
@@ -212,7 +216,8 @@ step_bench_nvshmem() {
     [ "$mode" = low_latency ] && shape=(--ll-tokens "$LL_TOKENS") || shape=(--tokens "${TOKENS:-4096}" --only jax_ep)
     for nvl in 8 1; do
       PREFIX="$mode nvl=$nvl: "
-      run "$mode nvl$nvl ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G "$PY" -m jax_ep.launch -n "$N" -m jax_ep.bench \
+      run "$mode nvl$nvl ep$N" 200 env NVSHMEM_SYMMETRIC_SIZE=12G XLA_PYTHON_CLIENT_PREALLOCATE="$LAUNCH_PREALLOCATE" \
+        "$PY" -m jax_ep.launch -n "$N" -m jax_ep.bench \
         --mode "$mode" "${shape[@]}" --loops 15 --nvl $nvl --out "$SCRATCH/bench_${mode}_nvl$nvl"
     done
   done
@@ -261,7 +266,8 @@ step_chain_ab() {
   local -a chain_args=(--ll-tokens 1,128 --only "jax_ep LL dispatch fp8,jax_ep LL combine") tags=() launch=()
   # CHAIN_PROCESSES=N: chain_gaps in N processes, one per GPU (jax_ep.launch; rank 0's tables in the summary)
   [ -z "${CHAIN_PROCESSES:-}" ] ||
-    launch=(env NVSHMEM_SYMMETRIC_SIZE="${NVSHMEM_SYMMETRIC_SIZE:-12G}" "$PY" -m jax_ep.launch -n "$CHAIN_PROCESSES")
+    launch=(env NVSHMEM_SYMMETRIC_SIZE="${NVSHMEM_SYMMETRIC_SIZE:-12G}" XLA_PYTHON_CLIENT_PREALLOCATE="$LAUNCH_PREALLOCATE"
+            "$PY" -m jax_ep.launch -n "$CHAIN_PROCESSES")
   # CHAIN_ARGS is read as shell words, so quotes group an argument: --only 'jax_ep LL dispatch fp8,jax_ep LL combine'.
   # It is evaluated: $(...) or ; inside it would run (it is the caller's own environment)
   [ -z "${CHAIN_ARGS:-}" ] || eval "chain_args=($CHAIN_ARGS)"
