@@ -85,15 +85,17 @@ def test_chain_ab_times_every_tree_of_trees_in_order():
 
 
 def test_chain_ab_runs_chain_gaps_under_the_launcher_with_chain_processes():
-    """CHAIN_PROCESSES=N times each tree in N processes (jax_ep.launch), with a symmetric heap for normal mode."""
+    """CHAIN_PROCESSES=N times each tree in N processes (jax_ep.launch), with a symmetric heap for normal mode and
+    XLA's preallocation on (receive pools, as the launcher leaves it)."""
     env = dict(os.environ, DRY_RUN="1", REPS="1", PYTHON="python3", CHAIN_PROCESSES="4",
                CHAIN_ARGS="--mode normal --tokens 4096")
     env.pop("NVSHMEM_SYMMETRIC_SIZE", None)
+    env.pop("LAUNCH_PREALLOCATE", None)
     proc = subprocess.run(["bash", str(SCRIPT), "chain-ab"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if "[chain_gaps " in line]
     assert len(lines) == 2, proc.stdout[-2000:]
     for line in lines:
-        assert "NVSHMEM_SYMMETRIC_SIZE=12G python3 -m jax_ep.launch -n 4 -m jax_ep.bench.chain_gaps --mode normal " \
-               "--tokens 4096" in line, line
+        assert "NVSHMEM_SYMMETRIC_SIZE=12G XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m jax_ep.launch -n 4 -m " \
+               "jax_ep.bench.chain_gaps --mode normal --tokens 4096" in line, line
