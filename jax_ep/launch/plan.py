@@ -177,13 +177,14 @@ def visible_gpus(environ=None) -> list[str] | None:
 def child_envs(nproc: int, hosts: Hosts, coordinator: str, gpus: list[str] | None, gpus_per_process: int,
                settings: dict[str, str], forced: dict[str, str], environ=None,
                processes_per_gpu: int = 1, cpu_devices: int = 1) -> list[dict[str, str]]:
-    """One environment per local process: the launcher's own, `forced` (overriding), env.DEFAULT_ENV (unless
-    set; env.SHARED_GPU_ENV too without `gpus` or with processes_per_gpu > 1), `settings` and the job variables with global process ids, and CUDA_VISIBLE_DEVICES pinning when `gpus`
-    is given: process i gets gpus[i*K:(i+1)*K] (K = gpus_per_process), or with processes_per_gpu P > 1 (K = 1)
-    the one GPU gpus[i // P], shared by P consecutive processes, each with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
-    100 // P unless set (NVSHMEM's condition for full support of several PEs per GPU: the shares add up to <= 100,
-    so no process can take every SM while another's kernel waits for it). JAX_NUM_CPU_DEVICES = cpu_devices unless
-    set: the CPU devices of each process, whatever the program's XLA_FLAGS say."""
+    """One environment per local process: the launcher's own, `forced` (overriding), env.DEFAULT_ENV (unless set;
+    env.SHARED_GPU_ENV too without `gpus` or with processes_per_gpu > 1), `settings` and the job variables with
+    global process ids, and CUDA_VISIBLE_DEVICES pinning when `gpus` is given: process i gets gpus[i*K:(i+1)*K] (K =
+    gpus_per_process), or with processes_per_gpu P > 1 (K = 1) the one GPU gpus[i // P], shared by P consecutive
+    processes, each with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 // P unless set (NVSHMEM's condition for full
+    support of several PEs per GPU: the shares add up to <= 100, so no process can take every SM while another's
+    kernel waits for it). JAX_NUM_CPU_DEVICES = cpu_devices unless set: the CPU devices of each process, whatever
+    the program's XLA_FLAGS say."""
     base = dict(os.environ if environ is None else environ)
     base.update(forced)
     for k, v in E.DEFAULT_ENV.items():

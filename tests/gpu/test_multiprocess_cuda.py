@@ -93,7 +93,8 @@ def test_one_process_per_gpu_matches_reference_and_single_process(n, nvl, pools,
         assert "model=multi-process transport=nvshmem" in line, line
     for line in _lines(out, "receive_pools").values():  # none where normal mode runs the NVSHMEM kernels (nvl < n)
         states = list(json.loads(line.split("pools=", 1)[1]).values())
-        assert (len(states) == int(nvl >= n)) and all(s == "on" if pools else s.startswith("off: ") for s in states), line
+        assert len(states) == int(nvl >= n), line
+        assert all(s == "on" if pools else s.startswith("off: ") for s in states), line
     for line in _lines(out, "correctness").values():  # dispatch calls that took direct receive
         calls = int(re.search(r"direct_calls=(\d+)", line).group(1))
         assert (calls > 0) == pools, line
