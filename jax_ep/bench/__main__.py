@@ -124,7 +124,10 @@ def main(argv=None):
         sweeps += [("normal", t, args.experts, "per_expert") for t in args.tokens]
     if args.mode in ("low_latency", "all"):
         sweeps += [("low_latency", t, args.ll_experts, m) for t in args.ll_tokens for m in args.ll_modes]
-    _initialize_all(sweeps, args, devices)
+    pools = _initialize_all(sweeps, args, devices)
+    if pools:  # one process per GPU: whether dispatch takes direct receive (docs/API.md, "Direct buffers")
+        print(f"receive pools: {pools}")
+        model += f"; receive pools {pools}"
     for mode, tokens, experts, ll_mode in sweeps:
         if mode == "normal":
             cases = normal_contenders(devices, tokens, args.hidden, args.topk, experts, rng, backend=args.backend,
@@ -211,14 +214,18 @@ def _time_cases(cases, mode, tokens, experts, args, max_tokens):
 
 def _initialize_all(sweeps, args, devices):
     """One initialize with every config of the run, before the first sweep: the runtime is sized once (largest
-    normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep."""
+    normal region + largest low-latency region) instead of growing (and retiring buffers) at every sweep. Returns
+    the receive pools per axis with one process per GPU ("on" / "off: why"), else None."""
     from .contenders import bench_config, bench_mesh
 
     configs = [bench_config(tokens, args.hidden, args.topk, experts, args.backend, args.num_sms, ll_mode, args.nvl,
                             args.ll_max_tokens if mode == "low_latency" else None)
                for mode, tokens, experts, ll_mode in sweeps]
-    if configs:
-        jax_ep.initialize(bench_mesh(devices), *configs, warmup_ops=not args.no_warmup_ops)
+    if not configs:
+        return None
+    rt = jax_ep.initialize(bench_mesh(devices), *configs, warmup_ops=not args.no_warmup_ops)
+    summary = getattr(getattr(rt, "transport_state", None), "summary", None)
+    return summary().get("receive_pools") if summary is not None else None
 
 
 def low_latency_phases(devices, args, rng):
