@@ -28,8 +28,8 @@ constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane per step (loca
 // ---------------------------------------------------------------------------------------------------------------
 // Copy-out (dispatch and cached dispatch through staging): staging rows [0, min(n, C)) into XLA's outputs and the
 // padding (0 / -1) of rows [min(n, C), C); by the copier blocks (and joined senders) of send_copy_kernel, or by
-// recv_copy_kernel after a
-// send and wait (the NVSHMEM kernels; the NVLink kernels of a group in one process). Not run with direct receive.
+// recv_copy_kernel after a send and wait (the NVSHMEM kernels; the NVLink kernels where ranks may mix direct receive
+// and staging). Not run with direct receive.
 struct RecvArgs {
   GroupCtx g;
   const int32_t* recv_rank_counts;  // [R]

@@ -46,10 +46,9 @@ __global__ void __launch_bounds__(32, 1) barrier_kernel(const __grid_constant__ 
 // Waits until every rank has signalled that its send of this op has ended (all its rows are in this rank's staging
 // or outputs).
 // NOTE: waiting happens in one-warp kernels like this one, never inside a wide kernel, except in the receiving
-// blocks of the two-role kernels and their senders once done (send_copy_kernel, combine_push_kernel: their NOTEs):
-// a grid of spinning blocks
-// could starve kernels on other streams of this GPU (e.g. an NCCL collective of the same program) that a peer is
-// waiting for, and deadlock the group.
+// blocks of the two-role kernels and their senders once done (send_copy_kernel, combine_push_kernel: their NOTEs): a
+// grid of spinning blocks could starve kernels on other streams of this GPU (e.g. an NCCL collective of the same
+// program) that a peer is waiting for, and deadlock the group.
 __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant__ GroupCtx g) {
   const uint32_t epoch = current_epoch(g);
   for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x)

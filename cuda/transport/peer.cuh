@@ -89,8 +89,8 @@ __device__ __forceinline__ void wait_peer(const GroupCtx& g, int peer, int64_t f
 // left idle while others still hold a fixed share. With at most one round of items there is no atomic.
 // An ItemQueue is the blocks that take one kind of item: the whole grid on kNextItem (grid_items), or one role of a
 // kernel whose blocks split into roles, each on its own word (blocks outside the role may take items past the first
-// round with next_item). Every kernel that takes items ends in a last block that
-// puts its counters back to 0 (last_items_block for grid_items).
+// round with next_item). Every kernel that takes items ends in a last block that puts its counters back to 0
+// (last_items_block for grid_items).
 struct ItemQueue {
   uint32_t* counter;
   int blocks;  // blocks taking these items

@@ -64,6 +64,23 @@ def differences(fingerprints: dict) -> list[str]:
     return out
 
 
+def gather(generation: int, parts: tuple, record, members, process_id: int, deadline: float) -> tuple[dict, list]:
+    """Publishes this process's JSON `record` under key(generation, *parts, process_id) and reads every other
+    member's until `deadline`: (records by process id, the members that published none in time)."""
+    c = client()
+    c.key_value_set(key(generation, *parts, process_id), json.dumps(record, sort_keys=True))
+    got, missing = {process_id: record}, []
+    for pid in members:
+        if pid == process_id:
+            continue
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            got[pid] = json.loads(c.blocking_key_value_get(key(generation, *parts, pid), left_ms if not missing else 1))
+        except Exception:  # deadline exceeded (the error type differs between jax versions)
+            missing.append(pid)
+    return got, missing
+
+
 def agree(generation: int, what: str, fingerprint: dict, process_id: int, num_processes: int,
           timeout_s: float) -> None:
     """Publishes this process's fingerprint and checks that every process published the same one.
@@ -71,19 +88,8 @@ def agree(generation: int, what: str, fingerprint: dict, process_id: int, num_pr
     Raises EPError naming the differing fields (and which processes hold which value), or the processes that did
     not arrive within timeout_s.
     """
-    c = client()
-    mine = json.dumps(fingerprint, sort_keys=True)
-    c.key_value_set(key(generation, what, process_id), mine)
-    deadline = time.monotonic() + timeout_s
-    got, missing = {process_id: fingerprint}, []
-    for pid in range(num_processes):
-        if pid == process_id:
-            continue
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            got[pid] = json.loads(c.blocking_key_value_get(key(generation, what, pid), left_ms if not missing else 1))
-        except Exception:  # deadline exceeded (the error type differs between jax versions)
-            missing.append(pid)
+    got, missing = gather(generation, (what,), fingerprint, range(num_processes), process_id,
+                          time.monotonic() + timeout_s)
     if missing:
         raise EPError(f"jax_ep.initialize: process{'es' if len(missing) > 1 else ''} {missing} did not reach "
                       f"jax_ep.initialize ({what}, generation {generation}) within {timeout_s:g} s (process "

@@ -19,7 +19,6 @@ then come from mappings XLA makes as it grows, which no peer mapped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -32,10 +31,10 @@ import numpy as np
 
 from . import agreement
 from .. import _native
+from ..config import MAX_NVL_PEERS
 from ..errors import EPError
 
 PROBE_BYTES = 64
-MAX_RANKS = 8  # kMaxNvlPeers: the NVLink kernels' largest group
 SOCKET_SECONDS = 30.0  # the longest the descriptors' hand-over may take (a healthy one: well under a second)
 log = logging.getLogger("jax_ep")
 
@@ -58,8 +57,8 @@ def _local_reason(group_size: int, unmapped: list) -> str | None:
         return f"XLA_PYTHON_CLIENT_ALLOCATOR={allocator}: no preallocated pool to map"
     if unmapped:
         return f"ranks {unmapped} are on other hosts"
-    if group_size > MAX_RANKS:
-        return f"the group has {group_size} ranks (at most {MAX_RANKS} share one host's NVLink kernels)"
+    if group_size > MAX_NVL_PEERS:
+        return f"the group has {group_size} ranks (at most {MAX_NVL_PEERS} share one host's NVLink kernels)"
     return None
 
 
@@ -96,20 +95,13 @@ def _offer(device, deadline: float, listeners: int):
 
 def _gather(generation: int, step: str, axis: str, record: dict, pes: tuple, process_id: int,
             deadline: float) -> dict:
-    """Publishes this process's record of `step` and returns every member's, by PE."""
-    c = agreement.client()
-    c.key_value_set(agreement.key(generation, "receive_pool", step, axis, process_id), json.dumps(record))
-    got = {process_id: record}
-    for pe in pes:
-        if pe == process_id:
-            continue
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            got[pe] = json.loads(c.blocking_key_value_get(agreement.key(generation, "receive_pool", step, axis, pe),
-                                                          left_ms))
-        except Exception as e:  # deadline exceeded (the error type differs between jax versions)
-            raise EPError(f"jax_ep.initialize: process {pe} published no receive pool ({step}, axis {axis!r}) "
-                          f"within the timeout ({type(e).__name__})") from None
+    """Publishes this process's record of `step` and returns every member's, by PE; EPError naming the members that
+    published none by `deadline`."""
+    got, missing = agreement.gather(generation, ("receive_pool", step, axis), record, pes, process_id, deadline)
+    if missing:
+        raise EPError(f"jax_ep.initialize: process{'es' if len(missing) > 1 else ''} "
+                      f"{', '.join(map(str, missing))} published no receive pool ({step}, axis {axis!r}) within the "
+                      f"timeout")
     return got
 
 
