@@ -74,11 +74,13 @@ def test_period_of_normal_mode_from_its_one_send_kernel_per_call():
     assert gap_report(_calls("jax_ep::normal", staged, 540, n=3))[2] == 540
 
 
-def test_period_of_per_rank_low_latency_combine_counts_push_and_send_as_one_call():
-    # weight push (4 us), send (23 us), receive (11 us) per call, 40 us apart: the push is not a start of its own
-    call = [("low_latency_per_rank_combine_push_kernel", 0, 4), ("low_latency_per_rank_combine_send_kernel", 5, 23),
-            ("low_latency_per_rank_combine_recv_kernel", 29, 11)]
-    assert gap_report(_calls("jax_ep::low_latency::per_rank", call, 40))[2] == 40
+def test_period_of_per_rank_low_latency_ops_from_the_dispatch_send_and_the_fused_combine():
+    # per_rank: dispatch as send (18 us) + receive (11 us), combine as one fused kernel (28 us); 62 us per pair
+    call = [("low_latency_dispatch_send_kernel<true>", 0, 18), ("low_latency_per_rank_dispatch_recv_kernel", 19, 11),
+            ("low_latency_per_rank_combine_fused_kernel", 31, 28)]
+    durs, _, period = gap_report(_calls("jax_ep::low_latency", call, 62))
+    assert period == 31  # dispatch send to combine start, combine start to the next dispatch send: the recv is no start
+    assert durs["low_latency_per_rank_combine_fused_kernel"] == [28.0] * 4
 
 
 def test_period_of_per_expert_low_latency_ops_from_their_one_fused_kernel():

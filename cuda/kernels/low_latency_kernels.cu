@@ -274,10 +274,7 @@ Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
 }
 
 Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream) {
-  if (send.per_rank) {
-    JAX_EP_RETURN_IF_ERROR(launch_combine_send(send, stream));
-    return launch_combine_recv(recv, stream);
-  }
+  if (send.per_rank) return per_rank::launch_combine(send, recv, stream);
   const dim3 receive = combine_recv_grid(recv, kThreads);
   const CombineFusedParams p{send, recv, combine_send_blocks(send), static_cast<int32_t>(receive.x)};
   low_latency_combine_fused_kernel<<<p.senders + static_cast<int>(receive.x * receive.y), kThreads, 0, stream>>>(p);

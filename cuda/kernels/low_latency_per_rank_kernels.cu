@@ -9,11 +9,13 @@
 //   dispatch recv   a one-wave grid over the messages: wait for every source's flag, read the row counts, and place
 //                   every message's payload straight at its rows of recv_x (same row order as per_expert: source
 //                   rank, then token); the handle's tables (src_info, layout_range, msg_token, token_rows) alongside.
-//   combine push    one block: this rank's topk_weights [T, K] into every rank's weights area, then w_flags.
-//   combine send    warp items (message (s, j), segment) over a one-wave grid: partial = sum over k in order of
-//                   w[s][t][k] * expert_out[row] in f32 (rows from token_rows), stored as bf16 at rank s, slot
-//                   [me][t]; the last block raises p_flags.
+//   combine send    the first block to start (place 0) pushes this rank's topk_weights [T, K] into every rank's
+//                   weights area, then w_flags; every block takes warp items (message (s, j), segment) over a
+//                   one-wave grid: partial = sum over k in order of w[s][t][k] * expert_out[row] in f32 (rows from
+//                   token_rows; w from source s's push, or this rank's own topk_weights when s is this rank), stored
+//                   as bf16 at rank s, slot [me][t]; the last block raises p_flags.
 //   combine recv    blocks (t, part): wait for the p_flags of t's ranks; y[t] = sum over them (ascending) in f32.
+//   combine (fused) one kernel: send places (ticket order) then receive places (low_latency_protocol.cuh, fused_frame).
 //
 // Protocol (epochs, halves, state/token, consumed words) as in low_latency_kernels.cu (low_latency_protocol.cuh); layout of the
 // per_rank words, messages and weights: staging_layout.h. Memory ordering as in transport/peer.cuh.
@@ -151,20 +153,17 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The combine's weight push: the same decision as the send kernel that follows (send_decision), no state written.
-__global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_combine_push_kernel(const __grid_constant__ CombineSendParams p) {
-  __shared__ Gate s_gate;
-  if (threadIdx.x == 0) {
-    bool device_error = false;
-    send_decision(p.c.g, p.io, p.fused, &s_gate, &device_error);
-  }
-  __syncthreads();
-  if (!s_gate.work) return;
+// The combine's weight push, by the send's place 0 (the first send block to start, so it runs while any other send
+// block waits for it): once every rank has read op n-2 from its half, this rank's topk_weights [T, K] into every
+// rank's weights area [me][t][k], then w_flags[me] at every rank (peer stores -> __syncthreads -> st.release.sys).
+// NOTE (what w_flags[s] tells the waiter): source s raised it after every rank, s included, had consumed op n-2, so
+// a block that has seen it may store into s's half.
+__device__ __forceinline__ void push_weights(const CombineSendParams& p, uint32_t epoch) {
   const GroupCtx& g = p.c.g;
-  const int R = g.num_ranks, me = g.rank, Tm = p.c.max_tokens, K = p.num_topk, T = p.num_tokens;
-  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, s_gate.epoch);
+  const int R = g.num_ranks, me = g.rank, Tm = p.c.max_tokens, K = p.num_topk, T = min(p.num_tokens, Tm);
+  if (threadIdx.x < R) wait_consumed(g, threadIdx.x, epoch);
   __syncthreads();
-  const int64_t half = half_offset(p.c.low_latency, s_gate.epoch);
+  const int64_t half = half_offset(p.c.low_latency, epoch);
   for (int d = 0; d < R; ++d) {
     float* dst = reinterpret_cast<float*>(peer_base(g, d) + half + p.c.low_latency.weights) +
                  static_cast<int64_t>(me) * Tm * kMaxTopk;
@@ -172,17 +171,19 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
       dst[(idx / K) * kMaxTopk + idx % K] = __ldg(p.topk_weights + idx);
   }
   __syncthreads();
-  if (threadIdx.x < R) {
-    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half, p.c.low_latency, RankWord::kWeightFlags + me), s_gate.epoch);
-  }
+  if (threadIdx.x < R)
+    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half, p.c.low_latency, RankWord::kWeightFlags + me), epoch);
 }
 
-// Warp items (message, segment) over the whole grid, for the message slots [s][0, T) (every rank calls with the same
-// T, so source s sent at most T messages, packed from position 0): the warp's lanes < K read the message's rows and
-// weights (each lane that has a row first waits for source s's weights: w_flags[s]), then every lane sums its 4
-// vectors of the segment (two passes of 2) over the rows in k order (fmaf in f32, the SPEC's order) and stores the
-// bf16 partial at rank s.
-__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch) {
+// Warp items (message, segment) over the send places, for the message slots [s][0, T) (every rank calls with the
+// same T, so source s sent at most T messages, packed from position 0): the warp's lanes < K read the message's rows
+// and weights, then every lane sums its 4 vectors of the segment (two passes of 2) over the rows in k order (fmaf in
+// f32, the SPEC's order) and stores the bf16 partial at rank s.
+// NOTE (waits): a block first waits, one thread per source, for w_flags[s] of every source s != me its items store
+// to (then __syncthreads), so its items read s's weights and store into s's half only after it; a block whose
+// items are all this rank's waits for nothing: the send's decision already saw op n-2 consumed here
+// (send_decision), and its weights are this rank's own topk_weights, the values place 0 pushes.
+__device__ __forceinline__ void combine_send_body(const CombineSendParams& p, uint32_t epoch, const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int R = g.num_ranks, me = g.rank, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
@@ -191,8 +192,22 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   char* self_half = self_base(g) + half;
   const int64_t num_rows = static_cast<int64_t>(L) * R * Tm;
   const char* expert_out = static_cast<const char*>(p.expert_out);
-  const int T = min(p.num_tokens, Tm);
-  for (int item = global_warp(); item < R * T * nseg; item += num_global_warps()) {
+  const int T = min(p.num_tokens, Tm), items = R * T * nseg;
+  __shared__ uint32_t s_need[kMaxGroupRanks / 32];  // bit s: an item of this block stores to source s != me
+  for (int i = threadIdx.x; i < kMaxGroupRanks / 32; i += blockDim.x) s_need[i] = 0u;
+  __syncthreads();
+  if (lane == 0)
+    for (int item = b.global_warp(); item < items; item += b.num_global_warps()) {
+      const int s = item / nseg / T;
+      if (s != me) atomicOr(&s_need[s >> 5], 1u << (s & 31));
+    }
+  __syncthreads();
+  for (int s = threadIdx.x; s < R; s += blockDim.x)
+    if ((s_need[s >> 5] >> (s & 31)) & 1u)
+      wait_reached(rank_word(self_half, c.low_latency, RankWord::kWeightFlags + s), epoch, g.timeout_ns,
+                   "low-latency combine send (per_rank, weights)", g.rank, s);
+  __syncthreads();
+  for (int item = b.global_warp(); item < items; item += b.num_global_warps()) {
     const int sp = item / nseg, seg = item % nseg, off = seg * kSegBytes, s = sp / T, m = s * Tm + sp % T;
     const int32_t t = __ldg(p.msg_token + m);
     if (t < 0 || t >= Tm) continue;  // no message in this slot (or a corrupted handle: never out of bounds)
@@ -201,11 +216,10 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
     if (lane < K) {
       const int32_t r = __ldg(p.token_rows + static_cast<int64_t>(m) * K + lane);
       if (r >= 0 && r < num_rows) {
-        wait_reached(rank_word(self_half, c.low_latency, RankWord::kWeightFlags + s), epoch, g.timeout_ns,
-                     "low-latency combine send (per_rank, weights)", g.rank, s);
         row = r;
-        w = __ldcg(reinterpret_cast<const float*>(self_half + c.low_latency.weights) +
-                   (static_cast<int64_t>(s) * Tm + t) * kMaxTopk + lane);
+        w = s == me ? __ldg(p.topk_weights + static_cast<int64_t>(t) * K + lane)
+                    : __ldcg(reinterpret_cast<const float*>(self_half + c.low_latency.weights) +
+                             (static_cast<int64_t>(s) * Tm + t) * kMaxTopk + lane);
       }
     }
     const int n16 = min(kSegBytes, row_bytes - off) / 16;
@@ -241,43 +255,63 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   }
 }
 
+// A send place's whole part: place 0 pushes the weights first.
+__device__ __forceinline__ void combine_send_place(const CombineSendParams& p, uint32_t epoch, int place, int places) {
+  if (place == 0) push_weights(p, epoch);
+  combine_send_body(p, epoch, BlockPlace{place, 0, places, 1});
+}
+
+// The send's last block: p_flags[me] at every rank.
+__device__ __forceinline__ void publish_partial_flags(const CombineSendParams& p, uint32_t epoch) {
+  const GroupCtx& g = p.c.g;
+  if (threadIdx.x < g.num_ranks)
+    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half_offset(p.c.low_latency, epoch), p.c.low_latency,
+                             RankWord::kPartialFlags + g.rank),
+                   epoch);
+}
+
+// The split send: places by a ticket (SignalHeader::kLowLatencyRoleTicket, taken at the block's start and reset by
+// the last block, after every block took one), so place 0, which the others may wait for, belongs to a block that
+// has started.
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm) low_latency_per_rank_combine_send_kernel(const __grid_constant__ CombineSendParams p) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_last;
-  phase_begin(g_ll_phases);
-  if (threadIdx.x == 0)
-    open_send(p.c.g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
-  __syncthreads();
-  phase_stamp(g_ll_phases, kPhaseSendOpened);
-  if (s_gate.work) combine_send_body(p, s_gate.epoch);  // block-uniform
-  __syncthreads();
-  phase_stamp(g_ll_phases, kPhaseSendBody);
-  if (!last_block<TicketScope::kGpu>(low_latency_word(p.c.g, SignalHeader::kLowLatencySendDone), &s_last)) return;
-  phase_stamp(g_ll_phases, kPhaseSendLast);
+  __shared__ int32_t s_place;
   const GroupCtx& g = p.c.g;
-  if (s_gate.work && threadIdx.x < g.num_ranks) {
-    st_release_sys(rank_word(peer_base(g, threadIdx.x) + half_offset(p.c.low_latency, s_gate.epoch), p.c.low_latency,
-                             RankWord::kPartialFlags + g.rank),
-                   s_gate.epoch);
+  phase_begin(g_ll_phases);
+  if (threadIdx.x == 0) {
+    open_send(g, p.io, p.fused, 0, p.fused ? "low-latency combine" : "low-latency combine send", &s_gate);
+    s_place = static_cast<int32_t>(atom_add_acq_rel_gpu(low_latency_word(g, SignalHeader::kLowLatencyRoleTicket), 1u));
   }
   __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendOpened);
+  if (s_gate.work) combine_send_place(p, s_gate.epoch, s_place, static_cast<int>(gridDim.x));  // block-uniform
+  __syncthreads();
+  phase_stamp(g_ll_phases, kPhaseSendBody);
+  if (!last_block<TicketScope::kGpu>(low_latency_word(g, SignalHeader::kLowLatencySendDone), &s_last)) return;
+  phase_stamp(g_ll_phases, kPhaseSendLast);
+  if (s_gate.work) publish_partial_flags(p, s_gate.epoch);
+  __syncthreads();
   phase_stamp(g_ll_phases, kPhaseSendPublished);
-  if (threadIdx.x == 0) finish_send_last(g, p.io, s_gate);
+  if (threadIdx.x == 0) {
+    *low_latency_word(g, SignalHeader::kLowLatencyRoleTicket) = 0u;
+    finish_send_last(g, p.io, s_gate);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch) {
+__device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, uint32_t epoch, const BlockPlace& b) {
   const Ctx& c = p.c;
   const GroupCtx& g = c.g;
   const int E = c.num_experts, L = c.num_local, H = c.hidden, Tm = c.max_tokens, K = p.num_topk;
-  const int part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int part = b.y, parts = b.ny, tid = threadIdx.x;
   char* half = self_base(g) + half_offset(c.low_latency, epoch);
   __shared__ int32_t s_ranks[kMaxTopk];  // the ranks the token's valid experts live on, ascending, each once
   __shared__ int32_t s_num_ranks;
   const char* rows = half + c.low_latency.rows;
-  // Tokens t = blockIdx.x, blockIdx.x + gridDim.x, ... (combine_recv_grid: one wave); T = 0 runs no iteration and
+  // Tokens t = b.x, b.x + b.nx, ... (combine_recv_grid: one wave); T = 0 runs no iteration and
   // the frame's finish_recv still publishes the epoch.
-  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+  for (int t = b.x; t < p.num_tokens; t += b.nx) {
     __syncthreads();  // the previous token's readers of s_ranks are done
     if (tid == 0) {
       int n = 0;
@@ -327,7 +361,29 @@ __device__ __forceinline__ void combine_recv_body(const CombineRecvParams& p, ui
 }
 
 __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_combine_recv_kernel(const __grid_constant__ CombineRecvParams p) {
-  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch); });
+  receive_frame(p, [&](uint32_t epoch) { combine_recv_body(p, epoch, BlockPlace::of_grid()); });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The fused combine: send places (weight push, partial sums, p_flags) and receive places in one kernel, no launch
+// between them (low_latency_protocol.cuh, fused_frame).
+struct CombineFusedParams {
+  CombineSendParams send;
+  CombineRecvParams recv;  // its io is unused: the send's state and the op's decision serve both
+  int32_t senders;         // send places (one_wave_blocks); then recv_tokens x (places / recv_tokens) receive places
+  int32_t recv_tokens;     // combine_recv_grid(recv, kThreads).x
+};
+
+__global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
+    low_latency_per_rank_combine_fused_kernel(const __grid_constant__ CombineFusedParams p) {
+  const int bx = p.recv_tokens;
+  fused_frame(
+      p.send.c.g, p.send.io, "low-latency combine", p.senders,
+      [&](uint32_t epoch, int place) { combine_send_place(p.send, epoch, place, p.senders); },
+      [&](uint32_t epoch) { publish_partial_flags(p.send, epoch); },
+      [&](uint32_t epoch, int place, int places) {
+        combine_recv_body(p.recv, epoch, BlockPlace{place % bx, place / bx, bx, places / bx});
+      });
 }
 
 }  // namespace
@@ -335,9 +391,9 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
 Status preload_kernels() {
   JAX_EP_RETURN_IF_ERROR(ll_phase_devices().arm(g_ll_phases));
   return preload({reinterpret_cast<const void*>(low_latency_per_rank_dispatch_recv_kernel),
-                  reinterpret_cast<const void*>(low_latency_per_rank_combine_push_kernel),
                   reinterpret_cast<const void*>(low_latency_per_rank_combine_send_kernel),
-                  reinterpret_cast<const void*>(low_latency_per_rank_combine_recv_kernel)});
+                  reinterpret_cast<const void*>(low_latency_per_rank_combine_recv_kernel),
+                  reinterpret_cast<const void*>(low_latency_per_rank_combine_fused_kernel)});
 }
 
 Status add_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
@@ -353,14 +409,15 @@ Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream) {
   return launched("low-latency dispatch receive (per_rank)");
 }
 
+// (message, segment) items: R sources' messages at positions [0, T) (combine_send_body)
+static int combine_send_grid(const CombineSendParams& p) {
+  return one_wave_blocks(p.c, std::max<int64_t>(1, static_cast<int64_t>(p.c.g.num_ranks) *
+                                                       std::min(p.num_tokens, p.c.max_tokens) *
+                                                       ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes)));
+}
+
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream) {
-  low_latency_per_rank_combine_push_kernel<<<1, kCombineRecvThreads, 0, stream>>>(p);
-  JAX_EP_RETURN_IF_ERROR(launched("low-latency combine weight push (per_rank)"));
-  // (message, segment) items: R sources' messages at positions [0, T) (combine_send_body)
-  const int64_t items = std::max<int64_t>(1, static_cast<int64_t>(p.c.g.num_ranks) *
-                                                 std::min(p.num_tokens, p.c.max_tokens) *
-                                                 ((2 * p.c.hidden + kSegBytes - 1) / kSegBytes));
-  low_latency_per_rank_combine_send_kernel<<<one_wave_blocks(p.c, items), kThreads, 0, stream>>>(p);
+  low_latency_per_rank_combine_send_kernel<<<combine_send_grid(p), kThreads, 0, stream>>>(p);
   return launched("low-latency combine send (per_rank)");
 }
 
@@ -368,6 +425,14 @@ Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream) {
   const dim3 grid = combine_recv_grid(p, kCombineRecvThreads);
   low_latency_per_rank_combine_recv_kernel<<<grid, kCombineRecvThreads, 0, stream>>>(p);
   return launched("low-latency combine receive (per_rank)");
+}
+
+Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream) {
+  const dim3 receive = combine_recv_grid(recv, kThreads);
+  const CombineFusedParams p{send, recv, combine_send_grid(send), static_cast<int32_t>(receive.x)};
+  low_latency_per_rank_combine_fused_kernel<<<p.senders + static_cast<int>(receive.x * receive.y), kThreads, 0,
+                                              stream>>>(p);
+  return launched("low-latency combine (per_rank)");
 }
 
 }  // namespace jax_ep::low_latency::per_rank

@@ -19,5 +19,6 @@ Status add_phases(bool reset, std::vector<uint64_t>* ns, std::vector<uint64_t>* 
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
 Status launch_combine_send(const CombineSendParams& p, cudaStream_t stream);  // weight push + partial sums
 Status launch_combine_recv(const CombineRecvParams& p, cudaStream_t stream);
+Status launch_combine(const CombineSendParams& send, const CombineRecvParams& recv, cudaStream_t stream);  // fused
 
 }  // namespace jax_ep::low_latency::per_rank

@@ -233,13 +233,12 @@ def low_latency_phases(devices, args, rng):
     from .contenders import low_latency_phase_programs
     from .kernel_times import kernel_times
 
-    # substrings of both modes' kernel names (ll_dispatch_send_kernel, ll_rank_dispatch_send_kernel, ...); per_expert
-    # runs each fused op as one kernel (send and receive)
+    # substrings of both modes' kernel names (low_latency_dispatch_send_kernel, low_latency_per_rank_dispatch_recv_kernel,
+    # ...); a fused op of one kernel (per_expert's, per_rank's combine) is named once, send and receive together
     patterns = {"LL dispatch, send and receive (fused kernel)": "dispatch_fused_kernel",
                 "LL combine, send and receive (fused kernel)": "combine_fused_kernel",
                 "LL dispatch send (kernel)": "dispatch_send_kernel",
                 "LL dispatch recv (kernel)": "dispatch_recv_kernel",
-                "LL combine weight push (kernel)": "combine_push_kernel",
                 "LL combine send (kernel)": "combine_send_kernel",
                 "LL combine recv (kernel)": "combine_recv_kernel"}
     rows = []
@@ -255,7 +254,7 @@ def low_latency_phases(devices, args, rng):
                       f"{str(e).splitlines()[0][:200]}")
                 continue
             for label, (count, us) in times.items():
-                if not count:  # e.g. the weight push of per_rank mode in per_expert mode
+                if not count:  # e.g. per_expert's fused dispatch where the op ran its two kernels
                     continue
                 print(f"[low_latency T={tokens}{tag}] {label}: {us:.1f} us (median of {count} launches over all "
                       f"GPUs)")

@@ -56,12 +56,11 @@ def gap_report(ops) -> tuple[dict, dict, float]:
     return durs, gaps, statistics.median(periods) if periods else float("nan")
 
 
-# The one kernel per call that starts its data movement: LL dispatch / combine send kernels (per_expert's fused ops:
-# their one kernel), normal mode's (nvshmem_)send_rows_kernel or send_copy_kernel (through staging on the NVLink
+# The one kernel per call that starts its data movement: LL dispatch / combine send kernels (a fused op of one
+# kernel: that kernel), normal mode's (nvshmem_)send_rows_kernel or send_copy_kernel (through staging on the NVLink
 # kernels), combine_push_kernel (NVLink; launched in pull mode too, where it returns at once) and
-# nvshmem_combine_send_kernel (not the forwarders, which run after them). The per_rank LL combine's weight push
-# (low_latency_per_rank_combine_push_kernel) runs just before that op's send kernel and is not a second start.
-_SEND = re.compile(r"send(_rows|_copy)?_kernel|fused_kernel|(?<!per_rank_)combine_push_kernel")
+# nvshmem_combine_send_kernel (not the forwarders, which run after them).
+_SEND = re.compile(r"send(_rows|_copy)?_kernel|fused_kernel|combine_push_kernel")
 
 
 def sweeps_of(args, argv) -> list:
