@@ -107,8 +107,6 @@ __device__ __forceinline__ void print_device_error(const GroupCtx& g, const char
 }
 
 // Thread 0 of each block of a send kernel. `op` names the op in the device over-subscription message.
-// NOTE: a kernel launched before the send kernel of the same op (the per_rank combine's weight push) takes the
-// same decision with send_decision: nothing between them on the stream changes what it reads.
 __device__ __forceinline__ void open_send(const GroupCtx& g, const ChainIO& io, bool fused, int32_t num_tokens,
                                           const char* op, Gate* gate, const uint64_t* nvshmem_consumed = nullptr) {
   bool device_error = false;
@@ -227,8 +225,9 @@ __device__ __forceinline__ void receive_frame(const Params& p, Body body) {
 // flags and writes nothing else; the receive's last block releases "consumed" as a receive does, then ends the op:
 // the role ticket back to 0, the epoch word, the output state (end_fused).
 // NOTE (progress): receive blocks spin on flags. Every send place belongs to a block that has started (places go by
-// ticket), and send blocks wait for nothing but peers' reads of op n-2 (earlier kernels), so every flag a receive
-// block waits for is raised, on this GPU and on every peer.
+// ticket), and send blocks wait for nothing but peers' reads of op n-2 (earlier kernels) and, in the per_rank
+// combine, peers' weight pushes, which each peer's send place 0 makes after those reads alone; so every flag a
+// send or receive block waits for is raised, on this GPU and on every peer.
 // NOTE (one decision): every block decides at its start (send_decision, fused transition) from the input state, the
 // epoch word and its own consumed word, then takes its role ticket (acq_rel: the decision's loads before it). The
 // writers of those words are the receive's last block alone, which goes on after every receive block counted itself
