@@ -314,6 +314,14 @@ inline dim3 combine_recv_grid(const CombineRecvParams& p, int threads) {
   return dim3(blocks, parts);
 }
 
+// The parameters of a fused combine kernel (both modes: send places, then receive places; fused_frame).
+struct CombineFusedParams {
+  CombineSendParams send;
+  CombineRecvParams recv;  // its io is unused: the send's state and the op's decision serve both
+  int32_t senders;         // send places (one_wave_blocks); then recv_tokens x (places / recv_tokens) receive places
+  int32_t recv_tokens;     // combine_recv_grid(recv, kThreads).x
+};
+
 // Shared memory of a dispatch send kernel: an fp8 message payload (bf16 rows are copied from global memory).
 inline int send_shared_bytes(bool use_fp8, int hidden) {
   return use_fp8 ? static_cast<int>(align_up(hidden + 4 * (hidden / kFp8Block), 16)) : 0;

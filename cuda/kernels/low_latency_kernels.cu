@@ -177,13 +177,6 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
       });
 }
 
-struct CombineFusedParams {
-  CombineSendParams send;
-  CombineRecvParams recv;  // its io is unused, as in DispatchFusedParams
-  int32_t senders;         // send places (one_wave_blocks); then recv_tokens x (places / recv_tokens) receive places
-  int32_t recv_tokens;     // combine_recv_grid(recv, kThreads).x
-};
-
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_combine_fused_kernel(const __grid_constant__ CombineFusedParams p) {
   const int bx = p.recv_tokens;

@@ -367,12 +367,6 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
 // ---------------------------------------------------------------------------------------------------------------
 // The fused combine: send places (weight push, partial sums, p_flags) and receive places in one kernel, no launch
 // between them (low_latency_protocol.cuh, fused_frame).
-struct CombineFusedParams {
-  CombineSendParams send;
-  CombineRecvParams recv;  // its io is unused: the send's state and the op's decision serve both
-  int32_t senders;         // send places (one_wave_blocks); then recv_tokens x (places / recv_tokens) receive places
-  int32_t recv_tokens;     // combine_recv_grid(recv, kThreads).x
-};
 
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_per_rank_combine_fused_kernel(const __grid_constant__ CombineFusedParams p) {
