@@ -153,9 +153,10 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The combine's weight push, by the send's place 0 (the first send block to start, so it runs while any other send
-// block waits for it): once every rank has read op n-2 from its half, this rank's topk_weights [T, K] into every
-// rank's weights area [me][t][k], then w_flags[me] at every rank (peer stores -> __syncthreads -> st.release.sys).
+// The combine's weight push, by the send's place 0 (the first send block to start, so it runs while the peers' send
+// blocks that need it wait): once every rank has read op n-2 from its half, this rank's topk_weights [T, K] into every
+// other rank's weights area [me][t][k], then w_flags[me] there (peer stores -> __syncthreads -> st.release.sys). This
+// rank's own items read topk_weights directly (combine_send_body).
 // NOTE (what w_flags[s] tells the waiter): source s raised it after every rank, s included, had consumed op n-2, so
 // a block that has seen it may store into s's half.
 __device__ __forceinline__ void push_weights(const CombineSendParams& p, uint32_t epoch) {
@@ -165,13 +166,14 @@ __device__ __forceinline__ void push_weights(const CombineSendParams& p, uint32_
   __syncthreads();
   const int64_t half = half_offset(p.c.low_latency, epoch);
   for (int d = 0; d < R; ++d) {
+    if (d == me) continue;
     float* dst = reinterpret_cast<float*>(peer_base(g, d) + half + p.c.low_latency.weights) +
                  static_cast<int64_t>(me) * Tm * kMaxTopk;
     for (int idx = threadIdx.x; idx < T * K; idx += blockDim.x)
       dst[(idx / K) * kMaxTopk + idx % K] = __ldg(p.topk_weights + idx);
   }
   __syncthreads();
-  if (threadIdx.x < R)
+  if (threadIdx.x < R && threadIdx.x != me)
     st_release_sys(rank_word(peer_base(g, threadIdx.x) + half, p.c.low_latency, RankWord::kWeightFlags + me), epoch);
 }
 
@@ -210,7 +212,9 @@ __device__ __forceinline__ void combine_send_body(const CombineSendParams& p, ui
   for (int item = b.global_warp(); item < items; item += b.num_global_warps()) {
     const int sp = item / nseg, seg = item % nseg, off = seg * kSegBytes, s = sp / T, m = s * Tm + sp % T;
     const int32_t t = __ldg(p.msg_token + m);
-    if (t < 0 || t >= Tm) continue;  // no message in this slot (or a corrupted handle: never out of bounds)
+    // no message in this slot, or a token no rank has in this call (every rank calls with the same T: a handle of a
+    // larger call, or a corrupted one): never out of bounds of topk_weights [T, K] or the slots
+    if (t < 0 || t >= T) continue;
     int64_t row = -1;
     float w = 0.0f;
     if (lane < K) {
@@ -367,6 +371,9 @@ __global__ void __launch_bounds__(kCombineRecvThreads) low_latency_per_rank_comb
 // ---------------------------------------------------------------------------------------------------------------
 // The fused combine: send places (weight push, partial sums, p_flags) and receive places in one kernel, no launch
 // between them (low_latency_protocol.cuh, fused_frame).
+// NOTE (settle): send blocks read this rank's half (the peers' weights) while receive blocks may all be done (a rank
+// none of whose tokens has an expert here never waits for its own partials), so the receive's last block waits for
+// p_flags[me], raised by the send's last block after every send block, before it releases "consumed".
 
 __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
     low_latency_per_rank_combine_fused_kernel(const __grid_constant__ CombineFusedParams p) {
@@ -377,6 +384,14 @@ __global__ void __launch_bounds__(kThreads, kExpertBlocksPerSm)
       [&](uint32_t epoch) { publish_partial_flags(p.send, epoch); },
       [&](uint32_t epoch, int place, int places) {
         combine_recv_body(p.recv, epoch, BlockPlace{place % bx, place / bx, bx, places / bx});
+      },
+      [&](uint32_t epoch) {
+        const GroupCtx& g = p.send.c.g;
+        if (threadIdx.x == 0)
+          wait_reached(rank_word(self_base(g) + half_offset(p.send.c.low_latency, epoch), p.send.c.low_latency,
+                                 RankWord::kPartialFlags + g.rank),
+                       epoch, g.timeout_ns, "low-latency combine (per_rank, this rank's send)", g.rank, g.rank);
+        __syncthreads();  // the acquire before every thread's release of "consumed"
       });
 }
 

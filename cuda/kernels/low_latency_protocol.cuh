@@ -186,15 +186,21 @@ __device__ __forceinline__ void end_recv(const GroupCtx& g, const ChainIO& io, c
 // blocks' fences and counts every block's), so their op n+2 may reuse the half; then end_recv. (The NVSHMEM path:
 // nvshmem/device/low_latency.cu.)
 // blocks: the receive's blocks (the kernel's grid, or a fused kernel's receive role); end: thread 0 of the last block
-// after the release (end_recv, or the fused kernel's end_fused).
-template <typename End>
-__device__ __forceinline__ void finish_recv(const GroupCtx& g, const Gate& gate, uint32_t blocks, End end) {
+// after the release (end_recv, or the fused kernel's end_fused); settle(epoch): every thread of the last block, before
+// the release, when the op works (a fused kernel whose send blocks read this rank's half: until they are done).
+struct NoSettle {
+  __device__ __forceinline__ void operator()(uint32_t) const {}
+};
+template <typename End, typename Settle = NoSettle>
+__device__ __forceinline__ void finish_recv(const GroupCtx& g, const Gate& gate, uint32_t blocks, End end,
+                                            Settle settle = {}) {
   __shared__ bool s_last;
   const bool last = last_block_done(low_latency_word(g, SignalHeader::kLowLatencyRecvDone), blocks);
   if (threadIdx.x == 0) s_last = last;
   __syncthreads();
   if (!s_last) return;
   phase_stamp(g_ll_phases, kPhaseRecvLast);
+  if (gate.work) settle(gate.epoch);
   if (gate.work)
     for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x)
       st_release_sys(header_word(peer_base(g, d),
@@ -242,10 +248,12 @@ __device__ __forceinline__ void end_fused(const GroupCtx& g, const ChainIO& io, 
 }
 
 // Every thread of every block of a fused kernel. send(epoch, place) and receive(epoch, receive_place, receive_blocks)
-// are the bodies (called only when the op works); publish(epoch): the send's last block, after every send block.
-template <typename Send, typename Publish, typename Receive>
+// are the bodies (called only when the op works); publish(epoch): the send's last block, after every send block;
+// settle(epoch): the receive's last block before it releases "consumed" (finish_recv): a send that reads this rank's
+// half waits there until its blocks are done, or a peer's op n+2 could overwrite what they read.
+template <typename Send, typename Publish, typename Receive, typename Settle = NoSettle>
 __device__ __forceinline__ void fused_frame(const GroupCtx& g, const ChainIO& io, const char* op, int senders,
-                                            Send send, Publish publish, Receive receive) {
+                                            Send send, Publish publish, Receive receive, Settle settle = {}) {
   __shared__ Gate s_gate;
   __shared__ int32_t s_role;
   __shared__ int32_t s_last;
@@ -277,7 +285,7 @@ __device__ __forceinline__ void fused_frame(const GroupCtx& g, const ChainIO& io
   if (s_gate.work) receive(s_gate.epoch, role - senders, receivers);  // block-uniform
   __syncthreads();
   phase_stamp(g_ll_phases, kPhaseRecvBody);
-  finish_recv(g, s_gate, static_cast<uint32_t>(receivers), [&] { end_fused(g, io, s_gate); });
+  finish_recv(g, s_gate, static_cast<uint32_t>(receivers), [&] { end_fused(g, io, s_gate); }, settle);
 }
 
 }  // namespace jax_ep::low_latency

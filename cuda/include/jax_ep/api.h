@@ -52,9 +52,10 @@ Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>
 
 namespace jax_ep::low_latency {
 
-// No barrier, no host synchronization. Split ops: one kernel each. Fused ops (launch_dispatch / launch_combine):
-// per_expert mode one kernel playing both halves (the send's io serves it); per_rank mode the send kernel then the
-// receive kernel on the same stream, joined by the header's fused-token slot (the ChainIO of each Params says where).
+// No barrier, no host synchronization. Split ops: one kernel each. Fused ops (launch_dispatch / launch_combine): one
+// kernel playing both halves (the send's io serves it) for the combine of both modes and a per_expert dispatch of one
+// token; otherwise the send kernel then the receive kernel on the same stream, joined by the header's fused-token
+// slot (the ChainIO of each Params says where).
 Status launch_dispatch_send(const DispatchSendParams& p, cudaStream_t stream);
 Status launch_dispatch_recv(const DispatchRecvParams& p, cudaStream_t stream);
 Status launch_dispatch(const DispatchSendParams& send, const DispatchRecvParams& recv, cudaStream_t stream);
