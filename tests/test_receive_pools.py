@@ -254,7 +254,7 @@ def test_a_member_that_cannot_map_turns_pools_off_everywhere_without_waiting_out
     got, seconds = _run_group(native, monkeypatch, members=2, timeout_s=20.0)
     assert got[0] == got[1] and got[0].startswith("off: process 1: mapping the pool of process 0: cuMemMap"), got
     assert native.registered == []
-    assert seconds < 5, seconds
+    assert seconds < 10, seconds  # not the 20 s timeout: every member learns of the failure from the "mapped" step
 
 
 class _Device:

@@ -62,7 +62,7 @@ def _local_reason(group_size: int, unmapped: list) -> str | None:
     return None
 
 
-def _offer(device, deadline: float, listeners: int):
+def _offer(device, listeners: int):
     """(record, fd, listener, probe): this process's pool exported, a socket to hand it out, and the probe array
     placed in it; or a record saying why not (fd -1, no listener)."""
     probe_bytes = os.urandom(PROBE_BYTES)
@@ -180,8 +180,7 @@ def connect(*, generation: int, axis: str, native_id: int, pes: tuple, process_i
     # (refused: another pid namespace) costs at most SOCKET_SECONDS
     until = min(deadline - min(10.0, timeout_s / 4), time.monotonic() + SOCKET_SECONDS)
     why = _local_reason(len(pes), unmapped)
-    record, fd, listener, probe = ({"ok": False, "why": why}, -1, None, None) if why else _offer(device, deadline,
-                                                                                                    len(pes))
+    record, fd, listener, probe = ({"ok": False, "why": why}, -1, None, None) if why else _offer(device, len(pes))
     server, errors = None, []
     try:
         offered = _gather(generation, "offer", axis, record, pes, process_id, deadline)
@@ -193,7 +192,7 @@ def connect(*, generation: int, axis: str, native_id: int, pes: tuple, process_i
                                                        until), daemon=True)
         server.start()
         mapped = _map_peers(offered, peers, device_ordinal, until, errors)
-        server.join(max(0.0, until - time.monotonic()) + 1.0)  # serving ends at `until`
+        server.join(max(0.0, until - time.monotonic()) + 1.0)  # serving ends at `until`; errors is complete after it
         done = _gather(generation, "mapped", axis, {"ok": not errors, "why": "; ".join(errors), "local": mapped},
                        pes, process_id, deadline)
         off = _first_off(done)
