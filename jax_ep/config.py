@@ -15,7 +15,7 @@ LOW_LATENCY_MODES = ("auto", "per_expert", "per_rank")
 # low_latency_mode="auto" picks per_rank when it moves at most this fraction of per_expert's rows and the call passes
 # at least PER_RANK_MIN_TOKENS tokens (see EPConfig.low_latency_mode_for).
 PER_RANK_MAX_ROW_FRACTION = 2.0 / 3.0
-PER_RANK_MIN_TOKENS = 128
+PER_RANK_MIN_TOKENS = 64
 
 # ---- limits of the CUDA kernels (docs/API.md, "Errors and edge cases") ------------------------------------------
 # Every backend validates them at trace time (jax_ep/ops/validation.py: check_kernel_limits), so a program that runs on
@@ -68,7 +68,7 @@ class EPConfig:
         layout): one copy per (token, expert), weighted sum at the source. "per_rank": one copy per (token,
         destination rank), expanded into the local expert slots on arrival; the combine reduces each rank's experts
         there and sends one row per (token, rank) back. Same dispatch outputs (bit-identical); the combine differs
-        only in rounding (docs/SPEC.md). "auto" (default): chosen per call, per_rank when the call passes T >= 128
+        only in rounding (docs/SPEC.md). "auto" (default): chosen per call, per_rank when the call passes T >= 64
         tokens and per_rank moves at most 2/3 of per_expert's rows for uniform routing, else per_expert
         (low_latency_mode_for; always per_expert on the NVSHMEM kernels, see below). Both modes are timed in docs/BENCHMARKS.md.
       low_latency_buffers: allocate the low-latency mode's buffers for this config on the CUDA backend (like
@@ -178,7 +178,7 @@ class EPConfig:
         in per_rank mode: for K experts drawn uniformly from R ranks, R * (1 - (1 - 1/R)^K) on average. per_rank
         has more fixed steps per op (the receiver expands messages, the combine pushes the weights first), so it
         wins only once there are enough rows: "auto" picks per_rank when the call passes T >= PER_RANK_MIN_TOKENS
-        (128) tokens and the rows are at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the
+        (64) tokens and the rows are at most PER_RANK_MAX_ROW_FRACTION (2/3) of K: e.g. R=2, K=8 (1/4 of the
         rows), R=8, K=8 (0.66); not for K=1 (no saving) or R=2, K=2 (3/4). E does not change the ratio (only
         L = E / R, the receiver's fan-out). T is a static shape, and a combine has its dispatch's T, so both ops of
         one layer resolve alike; one config serves 1-token steps in per_expert mode and 128-token steps in per_rank

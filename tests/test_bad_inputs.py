@@ -508,11 +508,11 @@ def test_bad_low_latency_mode(mode):
 def test_auto_low_latency_mode_follows_the_documented_rule(num_ranks, topk, expected):
     rows = num_ranks * (1 - (1 - 1 / num_ranks) ** topk)  # expected distinct ranks per token, uniform routing
     assert (rows <= 2 / 3 * topk) == (expected == "per_rank")
-    for t_max in (1, 127, 128, 256):  # per_rank only for calls of 128 tokens on: below, its fixed steps cost more
+    for t_max in (1, 63, 64, 256):  # per_rank only for calls of 64 tokens on: below, its fixed steps cost more
         auto = jax_ep.EPConfig(64, H, topk, t_max, low_latency_mode="auto")
         assert jax_ep.EPConfig(64, H, topk, t_max) == auto  # "auto" is the default
-        for tokens in sorted({1, 127, 128, t_max} & set(range(1, t_max + 1))):  # the call's T decides, not T_max
-            want = expected if tokens >= 128 else "per_expert"
+        for tokens in sorted({1, 63, 64, t_max} & set(range(1, t_max + 1))):  # the call's T decides, not T_max
+            want = expected if tokens >= 64 else "per_expert"
             assert auto.low_latency_mode_for(num_ranks, tokens) == want, (t_max, tokens)
             run = auto.for_low_latency_call(num_ranks, tokens)
             assert run.low_latency_mode == want and dataclasses.replace(run, low_latency_mode="auto") == auto

@@ -153,8 +153,8 @@ def test_parts_leave_out_kernels_that_need_pointers_to_unmapped_ranks(unmapped, 
 
 
 def test_auto_config_warms_the_one_token_mode_too():
-    """An "auto" config whose T_max calls run per_rank (T_max >= 128, K=8 on 2 ranks) and whose 1-token calls run
-    per_expert gets a third warm-up part at T=1; a fixed mode, or T_max below 128, does not."""
+    """An "auto" config whose T_max calls run per_rank (T_max >= 64, K=8 on 2 ranks) and whose 1-token calls run
+    per_expert gets a third warm-up part at T=1; a fixed mode, or T_max below 64, does not."""
     def parts(**kw):
         cfg = jax_ep.EPConfig(num_experts=16, hidden=128, num_topk=8, backend="reference", low_latency_buffers=True,
                               **kw)
@@ -166,5 +166,6 @@ def test_auto_config_warms_the_one_token_mode_too():
     auto = jax_ep.EPConfig(16, 128, 8, 128)
     assert auto.low_latency_mode_for(2, 1) == "per_expert" and auto.low_latency_mode_for(2, 128) == "per_rank"
     assert parts(max_tokens_per_rank=128) == ["normal", "low_latency", "low_latency_one_token"]
-    assert parts(max_tokens_per_rank=64) == ["normal", "low_latency"]
+    assert parts(max_tokens_per_rank=64) == ["normal", "low_latency", "low_latency_one_token"]
+    assert parts(max_tokens_per_rank=63) == ["normal", "low_latency"]
     assert parts(max_tokens_per_rank=128, low_latency_mode="per_rank") == ["normal", "low_latency"]

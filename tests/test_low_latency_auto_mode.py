@@ -1,6 +1,7 @@
 """low_latency_mode="auto" resolves per call (EPConfig.low_latency_mode_for(R, T)): one config sized for 128 tokens
-runs a 1-token step in per_expert mode and a 128-token step in per_rank mode, and each call returns exactly what the
-config of that fixed mode returns (reference backend, CPU). The split phases carry the send's mode to the receive."""
+runs a 1-token step in per_expert mode and a 64- or 128-token step in per_rank mode, and each call returns exactly
+what the config of that fixed mode returns (reference backend, CPU). The split phases carry the send's mode to the
+receive."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _run(body, args):
     return jax.device_get(jax.jit(jax.shard_map(body, mesh=ep_mesh(R), in_specs=(SPEC,) * 3, out_specs=SPEC))(*args))
 
 
-@pytest.mark.parametrize("tokens,mode", [(1, "per_expert"), (127, "per_expert"), (128, "per_rank")])
+@pytest.mark.parametrize("tokens,mode", [(1, "per_expert"), (63, "per_expert"), (64, "per_rank"), (128, "per_rank")])
 def test_auto_runs_the_mode_of_the_calls_tokens(tokens, mode):
     assert AUTO.low_latency_mode == "auto" and AUTO.low_latency_mode_for(R, tokens) == mode
     fixed = dataclasses.replace(AUTO, low_latency_mode=mode)
