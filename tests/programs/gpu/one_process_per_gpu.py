@@ -65,13 +65,14 @@ E, K, T, H = 8 * R, 4, a.tokens, a.hidden
 
 
 def configs(hidden=H):
-    """Per backend, the config of every op; where the low-latency ops run the NVLink kernels (R <= num_max_nvl_peers,
+    """Per backend, the config of every op (low-latency ops per_expert, the mode of the NVSHMEM kernels, so y_ll means
+    the same op in every process model); where the low-latency ops run the NVLink kernels (R <= num_max_nvl_peers,
     NVLink allowed) also a per_rank config ("<backend> per_rank": low_latency_mode="per_rank" has no NVSHMEM
     kernels)."""
     out = {}
     for b in ("cuda", "reference"):
         out[b] = jax_ep.EPConfig(E, hidden, K, T, backend=b, num_max_nvl_peers=a.nvl, timeout_seconds=30.0,
-                                 allow_nvlink_for_low_latency=not a.ll_over_nvshmem)
+                                 allow_nvlink_for_low_latency=not a.ll_over_nvshmem, low_latency_mode="per_expert")
         if not a.ll_over_nvshmem and R <= a.nvl:
             out[f"{b} per_rank"] = dataclasses.replace(out[b], low_latency_mode="per_rank")
     return out
