@@ -30,13 +30,14 @@ def test_low_latency_buffers_default_and_overrides():
 def test_staging_plan_is_largest_normal_then_largest_low_latency():
     m = _native.module()
     # EP4 byte counts of the two regions (written out: the 16384-byte signal header + counts + 4 x 64-byte receive
-    # targets, with room for 8192 expert counts, + the notify scratch (4 x 32 x (4 + 256) bytes), 16384 staging rows
+    # targets, with room for 8192 expert counts, + the count words (8 x (4 x 20 + 8192) bytes) + the notify scratch
+    # (4 x 32 x (4 + 256) bytes), 16384 staging rows
     # of 4 * 7168 bytes + scales, topk, ...; 288 experts x 128 slots x 14576-byte
     # messages, the flags (c_flags u32 [288] and d_counts u32 [288]: 1280 bytes each, 256-aligned; d_flags u64 [288]:
     # 2304), the per_rank words (u32 [4][256]) and the weights area [R=4][128][16] f32, two halves + scratch
     # (4 * (1024 experts + 256 ranks)) + RDMA words (4096 + 2 * 8192))
     normal_4096 = m.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
-    assert normal_4096 == 474629120
+    assert normal_4096 == 474695424
     ll_128 = m.low_latency_buffer_bytes(7168, 128, 4, 288)
     assert ll_128 == 5120 + 4096 + 16384 + 2 * (2 * 1280 + 2304 + 4096 + 288 * 128 * 14576 + 4 * 128 * 16 * 4)
     assert runtime.buffer_size_hint(NORMAL, 4).low_latency_bytes == 0
@@ -75,17 +76,19 @@ def test_rdma_size_hint_is_all_symmetric_staging_with_send_slots_for_nvshmem_low
 
 @needs_native
 def test_the_peer_written_window_ends_at_one_offset_for_every_num_experts():
-    """The configs of one axis share its staging, and a dispatch writes into the peers' counts, expert counts and
-    receive targets with its count exchange as its only rendezvous: that window must end where it ends for every
-    other config (staging_layout.h: room for kMaxLayoutExperts expert counts), so rows another config's op may still
-    be reading never lie under it. The rows then start 128 (R + E) bytes of notify scratch later, 256-aligned."""
+    """The configs of one axis share its staging, and a dispatch writes into the peers' counts, expert counts,
+    receive targets (NVSHMEM kernels) or count words (NVLink kernels) with its count exchange as its only rendezvous:
+    that window must end where it ends for every other config (staging_layout.h: room for kMaxLayoutExperts expert
+    counts and count words), so rows another config's op may still be reading never lie under it. The rows then start
+    128 (R + E) bytes of notify scratch later, 256-aligned."""
     m = _native.module()
 
     def up(n, a):
         return -(-n // a) * a
 
     for R in (1, 2, 4, 8):
-        window = up(16384 + 4 * (R * R + jax_ep.config.MAX_NORMAL_EXPERTS + 4 * R + 4), 16) + 64 * R
+        window = up(16384 + 4 * (R * R + jax_ep.config.MAX_NORMAL_EXPERTS + 4 * R + 4), 16) + 64 * R + 8 * (
+            R * (R + 16) + jax_ep.config.MAX_NORMAL_EXPERTS)
         for E in (R, 8 * R, 256, 1024, 8192):
             if E % R:
                 continue

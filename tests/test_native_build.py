@@ -78,10 +78,10 @@ def test_state_types_are_registrable_pairs():
 #   rows = max(10, 2*4) = 10, scale columns = ceil(128/128) = 1
 #   signals  align256(align16(16384 + 4 * (R*R + 8192 + 4R + 4)) = 49216 (room for kMaxLayoutExperts expert
 #            counts: the peer-written window ends at the same offset for every E) + R * 64 receive targets
-#            + notify scratch 4 * 32 * (R + E) = 1280) = 50688
+#            + count words 8 * (R * (R + 16) + 8192) = 65824 + notify scratch 4 * 32 * (R + E) = 1280) = 116480
 #   payload  align256(10 * 4*128 = 5120)                    = 5120
 #   scales / topk_idx / topk_weights / src_idx: align256(40 / 80 / 80 / 40) = 4 * 256
-#   total = 50688 + 5120 + 1024 = 56832
+#   total = 116480 + 5120 + 1024 = 122624
 # Low-latency region, hidden=128, T_max=4, R=2, E=8:
 #   msg_stride = align16(16 + 2*128 + 4*1 = 276) = 288; rank_msg_stride = align16(144 + 260) = 416
 #   flags: c_flags 0, d_flags 256 (u64 epoch words), d_counts 512, rank_words 768 (align256(4 * 4 * 256) = 4096),
@@ -94,15 +94,15 @@ SMALL_LL = dict(hidden=128, max_tokens_per_rank=4, num_ranks=2, num_experts=8)
 
 
 def test_normal_buffer_bytes_by_hand():
-    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 56832
+    assert native.normal_buffer_bytes(**SMALL_NORMAL) == 122624
     # capacity below R * T_max: the combine slots (R * T_max = 8 rows) decide; payload 8 * 512 = 4096
-    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 50688 + 4096 + 4 * 256
+    assert native.normal_buffer_bytes(**{**SMALL_NORMAL, "capacity": 3}) == 116480 + 4096 + 4 * 256
     # DeepSeek-V3-like: H=7168 K=8 T_max=4096 R=4 C=16384 E=256 -> rows 16384, 56 scale columns
     #   signals: receive targets at align16(16384 + 4*(16 + 8192 + 16 + 4)) = 49296, 4 * 64 bytes of them, the
-    #   notify scratch 4 * 32 * (4 + 256) = 33280, align256(82832) = 82944; payload 16384*28672 = 469762048;
-    #   scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
+    #   count words 8 * (4 * 20 + 8192) = 66176, the notify scratch 4 * 32 * (4 + 256) = 33280, align256(149008) =
+    #   149248; payload 16384*28672 = 469762048; scales 16384*224 = 3670016; topk 2 * 16384*32 = 1048576; src 65536
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256) == (
-        82944 + 469762048 + 3670016 + 1048576 + 65536)
+        149248 + 469762048 + 3670016 + 1048576 + 65536)
 
 
 def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
@@ -111,12 +111,12 @@ def test_normal_buffer_bytes_with_the_nvshmem_send_area_by_hand():
     #   remote_meta align256(rows 10 * 32 = 320) = 512; send_rows align256(rows 10 * 512) = 5120;
     #   send_meta align256(T_max 4 * R 2 * 32) = 256; send_weights align256(10 * 4 * K 2 = 80) = 256;
     #   expert_out align256(E 8 * 4) = 256
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 56832 + 512 + 5120 + 3 * 256
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=True) == 122624 + 512 + 5120 + 3 * 256
     # DeepSeek-V3-like at R=4 (rows 16384, K=8, 56 scale columns): records of align16(4 * (17 + 56)) = 304 bytes
     plain = native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256)
     assert native.normal_buffer_bytes(7168, 8, 4096, 4, 16384, 256, nvshmem=True) == plain + (
         16384 * 304 + 16384 * 28672 + 4096 * 4 * 304 + 16384 * 32 + 1024)
-    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 56832
+    assert native.normal_buffer_bytes(**SMALL_NORMAL, nvshmem=False) == 122624
     # The send area does not grow with R * T_max (its rows are tokens, received rows or forward slots): at R=32 the
     # staging has max(C 10, R * T_max 128) = 128 rows, the send area C = 10: remote_meta align256(10 * 32) = 512,
     # send_rows 10 * 512 = 5120, send_meta T_max 4 * R 32 * 32 = 4096, send_weights 256, expert_out align256(32 * 4)
@@ -195,7 +195,7 @@ def test_staging_plan_by_hand():
     assert native.staging_plan([16400], []) == (16640, 16640, 0)
     plan = native.staging_plan([native.normal_buffer_bytes(**SMALL_NORMAL)], [native.low_latency_buffer_bytes(**SMALL_LL)])
     ll = LL_FIXED + 2 * 14592
-    assert plan == (56832 + ll, 56832, ll)
+    assert plan == (122624 + ll, 122624, ll)
 
 
 def test_staging_rejects_bad_arguments():

@@ -55,19 +55,39 @@ __global__ void __launch_bounds__(32, 1) wait_data_kernel(const __grid_constant_
     wait_peer(g, s, SignalHeader::kDataFlag, epoch, "receive (data from peers)");
 }
 
+// u32 word j of this rank's RecvTargets as rank d addresses them (receive_delta[d]); all zero when its rows go through
+// staging. Field by field, so no RecvTargets is built in local memory.
+__device__ __forceinline__ uint32_t recv_target_word(const DispatchParams& p, int d, int j) {
+  static_assert(sizeof(RecvTargets) == 8 * 8 && offsetof(RecvTargets, src_rank) == 5 * 8, "six pointers, then unused");
+  const void* q = nullptr;
+  if (p.direct_receive) {
+    switch (j / 2) {
+      case 0: q = p.recv_x; break;
+      case 1: q = p.recv_x_scales; break;
+      case 2: q = p.recv_topk_idx; break;
+      case 3: q = p.recv_topk_weights; break;
+      case 4: q = p.recv_src_idx; break;
+      case 5: q = p.recv_src_rank; break;
+      default: break;
+    }
+  }
+  const uint64_t at = q == nullptr ? 0 : reinterpret_cast<uint64_t>(q) + (d < kMaxNvlPeers ? p.receive_delta[d] : 0);
+  return static_cast<uint32_t>(j % 2 == 0 ? at : at >> 32);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch step 1: layout + send_pos, count exchange, handle counts. Block b lays out chunk b of the tokens
 // (notify_chunk_tokens each) with send_pos relative to the chunk; the last block to finish adds up the chunks (the
 // per-rank prefix over chunks goes to the notify scratch, for the send kernel to complete send_pos), then does the
 // exchange alone, so only one block ever waits for peers.
-// NOTE (no barrier): the count exchange is this op's only rendezvous. Every region this kernel writes into a peer
-// (counts, expert_counts, recv_targets) is read by that peer only in its notify and send-rows kernels, which end
-// before its data signal, and lies below the rows of every config sharing the staging (staging_layout.h:
-// recv_targets_offset ends it at one offset for every E). This rank waited for that signal of the previous dispatch
-// (wait_data_kernel), and any other op in between (combine, cached dispatch) has a barrier of its own. Staging rows
-// are written only by the send that follows, after this rank has seen every peer's count signal of this op, i.e.
-// after every peer has finished all of its earlier ops. The arrival counts (kBarrierIn) are still raised, without
-// waiting, so later barriers keep counting ops.
+// NOTE (no barrier): the count exchange is this op's only rendezvous. The only region this kernel writes into a peer
+// (count_words) is read by that peer only in its notify kernel, which ends before its data signal, and lies below
+// the rows of every config sharing the staging (staging_layout.h: the peer-written window ends at one offset for
+// every E). This rank waited for that signal of the previous dispatch (wait_data_kernel), and any other op in between
+// (combine, cached dispatch) has a barrier of its own. Staging rows are written only by the send that follows, after
+// this rank has seen every peer's count words of this op, which each peer stored after all of its earlier kernels
+// had ended (stream order): every peer has finished its earlier ops. The arrival counts (kBarrierIn) are still
+// raised, without waiting, so later barriers keep counting ops.
 __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ layout::TileSmem<kNotifyThreads> sm;
   __shared__ int32_t s_last;
@@ -112,38 +132,42 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
   const uint32_t epoch = group_arrive_block(g, false);
   phase_stamp(g_normal_phases, kPhaseNotifyArrived);
 
-  // Publish my row of the count matrix and my per-expert counts for each destination's experts.
-  for (int i = tid; i < R * R; i += blockDim.x) {
-    const int d = i / R, c = i % R;
-    reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.counts)[me * R + c] = sm.rank_base[c];
-  }
-  for (int i = tid; i < R * L; i += blockDim.x) {
-    const int d = i / L, l = i % L;
-    reinterpret_cast<int32_t*>(peer_base(g, d) + g.layout.expert_counts)[me * L + l] = s_expert[d * L + l];
-  }
-  // My receive targets into every rank's recv_targets[me] (zero when my rows go through staging), as rank d
-  // addresses them (receive_delta[d]): written every op, ordered before the count signal below like the counts.
-  for (int d = tid; d < R; d += blockDim.x) {
-    RecvTargets t{};
-    if (p.direct_receive) {
-      const int64_t delta = d < kMaxNvlPeers ? p.receive_delta[d] : 0;
-      const auto at = [delta](auto* q) { return q == nullptr ? q : reinterpret_cast<decltype(q)>(
-                                                                          reinterpret_cast<char*>(q) + delta); };
-      t.rows = at(static_cast<char*>(p.recv_x));
-      t.scales = at(p.recv_x_scales);
-      t.topk_idx = at(p.recv_topk_idx);
-      t.weights = at(p.recv_topk_weights);
-      t.src_idx = at(p.recv_src_idx);
-      t.src_rank = at(p.recv_src_rank);
+  // The count exchange: every value this rank sends rank d is one epoch word (this op's epoch, the value) in d's
+  // count_words[me]: this rank's row of the count matrix, its per-expert counts of d's experts, its receive targets
+  // as d addresses them (zero when its rows go through staging). Each word is valid on its own, so no fence or
+  // signal follows the stores; d waits for every word of this epoch and copies the values into its counts,
+  // expert_counts and recv_targets, where notify_outputs and the send kernel read them.
+  const int words = static_cast<int>(count_words_per_rank(R, L));
+  for (int i = tid; i < R * words; i += blockDim.x) {
+    const int d = i / words, w = i % words;
+    uint32_t v;
+    if (w < R) {
+      v = static_cast<uint32_t>(sm.rank_base[w]);
+    } else if (w < R + L) {
+      v = static_cast<uint32_t>(s_expert[d * L + w - R]);
+    } else {
+      v = recv_target_word(p, d, w - R - L);
     }
-    *reinterpret_cast<RecvTargets*>(peer_base(g, d) + g.layout.recv_targets + me * kRecvTargetBytes) = t;
+    uint64_t* box = reinterpret_cast<uint64_t*>(peer_base(g, d) + g.layout.count_words);
+    st_relaxed_sys_u64(box + static_cast<int64_t>(me) * words + w, epoch_word(epoch, v));
   }
-  __syncthreads();
   phase_stamp(g_normal_phases, kPhaseNotifyPublished);
-  for (int d = tid; d < R; d += blockDim.x) signal_peer(g, d, SignalHeader::kCountFlag, epoch);
-  phase_stamp(g_normal_phases, kPhaseNotifySignalled);
-  for (int s = tid; s < R; s += blockDim.x) wait_peer(g, s, SignalHeader::kCountFlag, epoch, "dispatch count exchange");
-  __syncthreads();
+  const uint64_t* box = reinterpret_cast<const uint64_t*>(self + g.layout.count_words);
+  int32_t* counts = reinterpret_cast<int32_t*>(self + g.layout.counts);
+  int32_t* expert_counts = reinterpret_cast<int32_t*>(self + g.layout.expert_counts);
+  uint32_t* targets = reinterpret_cast<uint32_t*>(self + g.layout.recv_targets);
+  for (int i = tid; i < R * words; i += blockDim.x) {
+    const int s = i / words, w = i % words;
+    const auto v = static_cast<uint32_t>(
+        wait_word_reached(box + i, epoch, g.timeout_ns, "dispatch count exchange", me, s));
+    if (w < R)
+      counts[s * R + w] = static_cast<int32_t>(v);
+    else if (w < R + L)
+      expert_counts[s * L + w - R] = static_cast<int32_t>(v);
+    else
+      targets[s * kRecvTargetWords + w - R - L] = v;
+  }
+  __syncthreads();  // notify_outputs reads what every thread copied
   phase_stamp(g_normal_phases, kPhaseNotifyExchanged);
 
   notify_outputs(p);
@@ -351,8 +375,7 @@ Status preload_kernels() {
 
 Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
   static const char* const kNames[] = {"notify: layout done",        "notify: arrivals posted",
-                                       "notify: counts published",   "notify: count signal sent",
-                                       "notify: counts exchanged",
+                                       "notify: count words stored", "notify: count words read",
                                        "notify: outputs written",    "send rows: block's tokens stored",
                                        "send rows: last block done",
                                        "combine: publish + barrier done",

@@ -11,9 +11,8 @@ namespace {
 enum NormalPhase : int {
   kPhaseNotifyLayout = 0,   // notify: routing layout done (the last block: every chunk added up)
   kPhaseNotifyArrived,      // notify: this op's epoch taken, every rank told this rank entered it
-  kPhaseNotifyPublished,    // notify: counts and receive targets stored into every rank (block barrier)
-  kPhaseNotifySignalled,    // notify: thread 0's count signal (to rank 0) stored
-  kPhaseNotifyExchanged,    // notify: every rank's count signal of this op seen (block barrier)
+  kPhaseNotifyPublished,    // notify: this thread's count words stored into every rank
+  kPhaseNotifyExchanged,    // notify: every rank's count words of this op read (block barrier)
   kPhaseNotifyOutputs,      // notify: handle counts written
   kPhaseSendBlockDone,      // send rows, each (sender) block: its tokens stored (block barrier)
   kPhaseSendLastBlockDone,  // send rows, the last (sender) block: every sender's ticket taken, data signals stored

@@ -22,8 +22,8 @@ JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) /
 
 // ---- normal mode ----------------------------------------------------------------------------------------------
 //   [signals | payload | scales | topk_idx | topk_weights | src_idx], each region aligned to kAlign bytes.
-//   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch, the receive targets and the
-//   notify scratch.
+//   signals = the fixed header, then counts i32[R][R], expert counts i32[R][L], scratch, the receive targets, the
+//   count words and the notify scratch.
 //   rows = max(capacity, combine_slot_rows): dispatch receives up to `capacity` rows; combine's slots
 //   (combine_slot_rows) take the rows its peers push. Dispatch and combine never use the region at the same time:
 //   every op begins with a rendezvous (a barrier, or dispatch's count exchange; docs/ARCHITECTURE.md "Normal-mode
@@ -33,6 +33,11 @@ struct BufferLayout {
   int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
   int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
   int64_t recv_targets;    // kRecvTargetBytes [R]: dispatch's receive targets of rank s (RecvTargets), written by s
+                           // (NVSHMEM kernels) or by this rank from count_words (NVLink kernels)
+  // NVLink kernels: u64 [R][count_words_per_rank(R, L)] epoch words (epoch << 32 | value) rank s sends this rank in
+  // its dispatch notify, one per value: s's row of counts [R], its expert counts of this rank's L experts, the 16
+  // u32 of its RecvTargets as this rank addresses them. Each word carries its own epoch: no signal orders them.
+  int64_t count_words;
   // This rank's dispatch notify blocks (NVLink kernels; never peer-written): i32 [kMaxNotifyBlocks][R] tokens of
   // each block's chunk sent to each rank, turned by the last block into each chunk's first position per rank (read
   // by the send kernel, which completes send_pos), then i32 [kMaxNotifyBlocks][E] each chunk's per-expert counts.
@@ -123,17 +128,30 @@ JAX_EP_HD int64_t combine_partial_row(const BufferLayout& b, int64_t nvl, int64_
 // Bytes of one rank's entry in recv_targets (normal_params.h: RecvTargets).
 constexpr int64_t kRecvTargetBytes = 64;
 
-// The regions peers write into (counts, expert_counts, receive targets) end at the same offset for every E: the
-// expert counts get room for kMaxLayoutExperts. The configs of one axis share the staging, and a dispatch writes these
-// regions with its count exchange as its only rendezvous, while a peer may still read the rows of its previous op
-// (of any config): those rows must never lie under another config's peer-written window.
+// The regions peers write into (counts, expert_counts, receive targets, count words) end at the same offset for every
+// E: the expert counts and count words get room for kMaxLayoutExperts. The configs of one axis share the staging, and
+// a dispatch writes these regions with its count exchange as its only rendezvous, while a peer may still read the
+// rows of its previous op (of any config): those rows must never lie under another config's peer-written window.
 JAX_EP_HD int64_t recv_targets_offset(int64_t num_ranks) {
   return align_up(kSignalHeaderBytes + 4 * (num_ranks * num_ranks + kMaxLayoutExperts + 4 * num_ranks + 4), 16);
 }
 
+// The epoch words a rank sends each rank in a dispatch's count exchange (BufferLayout::count_words): its counts
+// row [R], its expert counts of that rank's L experts, its RecvTargets as u32 words.
+constexpr int64_t kRecvTargetWords = kRecvTargetBytes / 4;
+JAX_EP_HD int64_t count_words_per_rank(int64_t num_ranks, int64_t num_local_experts) {
+  return num_ranks + num_local_experts + kRecvTargetWords;
+}
+
+// After the receive targets, inside the peer-written window: room for R * count_words_per_rank(R, L) words for every
+// E <= kMaxLayoutExperts (R * L = E).
+JAX_EP_HD int64_t count_words_offset(int64_t num_ranks) {
+  return recv_targets_offset(num_ranks) + kRecvTargetBytes * num_ranks;
+}
+
 JAX_EP_HD int64_t notify_scratch_offset(int64_t num_ranks, int64_t num_experts) {
   (void)num_experts;
-  return recv_targets_offset(num_ranks) + kRecvTargetBytes * num_ranks;
+  return count_words_offset(num_ranks) + 8 * (num_ranks * (num_ranks + kRecvTargetWords) + kMaxLayoutExperts);
 }
 
 JAX_EP_HD int64_t signal_bytes(int64_t num_ranks, int64_t num_experts) {
@@ -153,6 +171,7 @@ JAX_EP_HD BufferLayout make_buffer_layout(int64_t hidden, int64_t num_topk, int6
   b.counts = kSignalHeaderBytes;
   b.expert_counts = b.counts + 4 * num_ranks * num_ranks;
   b.recv_targets = recv_targets_offset(num_ranks);
+  b.count_words = count_words_offset(num_ranks);
   b.notify_scratch = notify_scratch_offset(num_ranks, num_experts);
   b.payload_stride = 4 * hidden;
   b.payload = signal_bytes(num_ranks, num_experts);
