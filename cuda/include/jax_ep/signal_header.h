@@ -19,7 +19,8 @@ struct SignalHeader {
 
   // ---- normal mode (cuda/kernels/normal_kernels.cu, cuda/transport/peer.cuh) ----
   static constexpr int64_t kBarrierIn = 0;                         // u32[R]: barrier arrivals of peer s, monotonic
-  static constexpr int64_t kCountFlag = kBarrierIn + kU32PerRank;  // u32[R]: epoch at which s published its counts
+  // u32[R]: epoch at which s published its counts (the NVSHMEM kernels; the NVLink ones send epoch words instead)
+  static constexpr int64_t kCountFlag = kBarrierIn + kU32PerRank;
   static constexpr int64_t kDataFlag = kCountFlag + kU32PerRank;   // u32[R]: epoch at which s finished its rows here
 
   // ---- low-latency mode (cuda/kernels/low_latency_kernels.cu, low_latency_protocol.cuh) ----
