@@ -184,13 +184,18 @@ def test_fp8_row_beyond_shared_memory_is_an_error_naming_hidden():
     _check_dispatch("per_expert", 1, 2, True, hidden, False)
 
 
-def _round_trip_program(cfg, mesh, split):
-    """dispatch (bf16) -> per-expert transform -> combine; returns y and the dispatch handle's src_info."""
-    def body(x, idx, w):
+def _round_trip_program(cfg, mesh, split, combine_tokens=None):
+    """dispatch (bf16) -> per-expert transform -> combine; returns y and the dispatch handle's src_info.
+    combine_tokens: the combine takes the routing of only the first that many tokens of each rank."""
+    def body(x, idx_all, w_all):
+        idx, w = idx_all, w_all
+        if combine_tokens is not None:
+            idx, w = idx_all[:combine_tokens], w_all[:combine_tokens]
         if split:
-            out = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, cfg, use_fp8=False), cfg)
+            out = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx_all, cfg, use_fp8=False),
+                                                   cfg)
         else:
-            out = jax_ep.low_latency_dispatch(x, idx, cfg, use_fp8=False)
+            out = jax_ep.low_latency_dispatch(x, idx_all, cfg, use_fp8=False)
         scale = (1.0 + 0.25 * jnp.arange(out.recv_x.shape[0], dtype=jnp.float32))[:, None, None]
         expert_out = (out.recv_x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
         if split:
@@ -218,6 +223,21 @@ def test_combine_matches_reference(ranks, tokens, split, mode):
     if mode == "per_rank":
         y_pe, _ = _round_trip_program(cfgs["cuda_per_expert"], mesh, False)(x, idx, w)
         assert _rel(y_c, y_pe) <= 2 ** -6, f"vs CUDA per_expert: {_rel(y_c, y_pe):.2e}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [False, True])
+def test_combine_of_fewer_tokens_than_its_dispatch(split, mode):
+    """A combine may take the routing of only the first T' < T tokens of its dispatch (y is [T', H]): it matches the
+    reference, and per_rank's send, which reads topk_weights [T', K] for the messages of this rank's own tokens,
+    skips the messages of tokens >= T' instead of reading past it."""
+    R, mesh, cfgs = _setup(mode)
+    x, idx, w = _inputs(np.random.default_rng(13), mode, R, T_MAX)
+    y_c, _ = _round_trip_program(cfgs["cuda"], mesh, split, combine_tokens=100)(x, idx, w)
+    y_r, _ = _round_trip_program(cfgs["reference"], mesh, False, combine_tokens=100)(x, idx, w)
+    assert y_c.shape == (R * 100, H)
+    assert np.isfinite(np.asarray(y_c, np.float32)).all(), "NaN weights of masked slots leaked into y"
+    assert _rel(y_c, y_r) <= 2 ** -7, f"combine relative error {_rel(y_c, y_r):.2e}"
 
 
 @pytest.mark.parametrize("split", [False, True])
