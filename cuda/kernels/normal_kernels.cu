@@ -104,8 +104,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
   const int begin = static_cast<int>(blockIdx.x) * chunk;
   const int end = min(p.num_tokens, begin + chunk);
   layout::clear_layout_counts<kNotifyThreads>(lp, sm, s_expert);
+  phase_stamp(g_normal_phases, kPhaseNotifyCleared);
   layout::range_layout<kNotifyThreads>(lp, begin, end, sm, s_expert);
   __syncthreads();
+  phase_stamp(g_normal_phases, kPhaseNotifyChunk);
   if (gridDim.x > 1) {
     for (int r = tid; r < R; r += blockDim.x) chunk_counts[blockIdx.x * R + r] = sm.rank_base[r];
     for (int e = tid; e < E; e += blockDim.x) chunk_experts[blockIdx.x * E + e] = s_expert[e];
@@ -374,7 +376,8 @@ Status preload_kernels() {
 }
 
 Status phases(bool reset, std::vector<std::string>* names, std::vector<uint64_t>* ns, std::vector<uint64_t>* hits) {
-  static const char* const kNames[] = {"notify: layout done",        "notify: arrivals posted",
+  static const char* const kNames[] = {"notify: block's counts zeroed", "notify: block's chunk laid out",
+                                       "notify: layout done",        "notify: arrivals posted",
                                        "notify: count words stored", "notify: count words read",
                                        "notify: outputs written",    "send rows: block's tokens stored",
                                        "send rows: last block done",

@@ -9,7 +9,9 @@ namespace jax_ep::normal {
 namespace {
 
 enum NormalPhase : int {
-  kPhaseNotifyLayout = 0,   // notify: routing layout done (the last block: every chunk added up)
+  kPhaseNotifyCleared = 0,  // notify, each block: its shared counts zeroed
+  kPhaseNotifyChunk,        // notify, each block: its chunk of tokens laid out (block barrier)
+  kPhaseNotifyLayout,       // notify: routing layout done (the last block: every chunk added up)
   kPhaseNotifyArrived,      // notify: this op's epoch taken, every rank told this rank entered it
   kPhaseNotifyPublished,    // notify: this thread's count words stored into every rank
   kPhaseNotifyExchanged,    // notify: every rank's count words of this op read (block barrier)
