@@ -22,14 +22,28 @@ struct TileSmem {
 };
 using BlockSmem = TileSmem<kLayoutThreads>;
 
-// Bit r of a token's rank set, held as kMaskWords registers (the unrolled word select keeps them out of local memory).
-__device__ __forceinline__ bool has_rank(const uint64_t (&mask)[kMaskWords], int r) {
-  uint64_t word = 0;
+// A token's rank set as kWords 64-bit words. Every index into the words is a compile-time constant (the selects
+// below), so the set stays in registers: a dynamic index would put it in local memory, on the layout's critical path.
+template <int kWords>
+struct RankSet {
+  uint64_t w[kWords];
+
+  __device__ __forceinline__ void clear() {
 #pragma unroll
-  for (int w = 0; w < kMaskWords; ++w)
-    if (w == (r >> 6)) word = mask[w];
-  return (word >> (r & 63)) & 1u;
-}
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
+  }
+  __device__ __forceinline__ void add(int r) {
+    const uint64_t bit = uint64_t{1} << (r & 63);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] |= (r >> 6) == i ? bit : uint64_t{0};
+  }
+  __device__ __forceinline__ bool has(int r) const {
+    uint64_t word = 0;
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) word |= (r >> 6) == i ? w[i] : uint64_t{0};
+    return (word >> (r & 63)) & 1u;
+  }
+};
 
 // Zeroes what range_layout accumulates into: s_expert [E] and sm.rank_base [R]. Every thread of the block.
 template <int kThreads>
@@ -43,9 +57,11 @@ __device__ __forceinline__ void clear_layout_counts(const Params& p, TileSmem<kT
 // per-expert counts to s_expert ([E] s32 in shared memory), send_pos[t, r] = sm.rank_base[r] at the call + the
 // position of t among the range's tokens sent to r (else -1), is_token_in_rank when asked.
 // NOTE: tokens are taken in tiles of kThreads, one per thread, so a warp ballot + a scan over the warp counts gives
-// each token its position among the tokens sent to a rank in token order (SPEC: rows by token index).
-template <int kThreads>
-__device__ inline void range_layout(const Params& p, int begin, int end, TileSmem<kThreads>& sm, int32_t* s_expert) {
+// each token its position among the tokens sent to a rank in token order (SPEC: rows by token index). A token's ids
+// and rank set live in registers (the top-k loop is unrolled to kMaxTopk; kWords covers R).
+template <int kThreads, int kWords>
+__device__ inline void range_layout_words(const Params& p, int begin, int end, TileSmem<kThreads>& sm,
+                                          int32_t* s_expert) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kWarps = kThreads / 32;
   const int K = p.num_topk, E = p.num_experts, R = p.num_ranks;
@@ -54,34 +70,33 @@ __device__ inline void range_layout(const Params& p, int begin, int end, TileSme
   for (int tile = begin; tile < end; tile += kThreads) {
     const int t = tile + tid;
     const bool valid = t < end;
-    uint64_t mask[kMaskWords];
-#pragma unroll
-    for (int w = 0; w < kMaskWords; ++w) mask[w] = 0;
+    RankSet<kWords> ranks;
+    ranks.clear();
     if (valid) {
       const int32_t* row = p.topk_idx + static_cast<int64_t>(t) * K;
       int32_t ids[kMaxTopk];
 #pragma unroll
       for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < K ? __ldg(row + k) : -1;
-      for (int k = 0; k < K; ++k) {
-        const int32_t r = rank_of_expert(ids[k], E, L);
-        if (r < 0) continue;
 #pragma unroll
-        for (int w = 0; w < kMaskWords; ++w)
-          if (w == (r >> 6)) mask[w] |= uint64_t{1} << (r & 63);
-        if (!repeats_earlier(ids, k)) atomicAdd(&s_expert[ids[k]], 1);
+      for (int k = 0; k < kMaxTopk; ++k) {
+        const int32_t r = k < K ? rank_of_expert(ids[k], E, L) : -1;
+        if (r < 0) continue;
+        ranks.add(r);
+        if (!repeats_earlier(ids, k)) atomicAdd(&s_expert[ids[k]], 1);  // k is a constant here: ids stay registers
       }
       if (p.is_token_in_rank != nullptr)
-        for (int r = 0; r < R; ++r) p.is_token_in_rank[static_cast<int64_t>(t) * R + r] = has_rank(mask, r);
+        for (int r = 0; r < R; ++r) p.is_token_in_rank[static_cast<int64_t>(t) * R + r] = ranks.has(r);
     }
     for (int first = 0; first < R; first += kRankChunk) {
       const int n = R - first < kRankChunk ? R - first : kRankChunk;
       for (int i = 0; i < n; ++i) {
-        const unsigned b = __ballot_sync(0xffffffffu, has_rank(mask, first + i));
+        const unsigned b = __ballot_sync(0xffffffffu, ranks.has(first + i));
         if (lane == 0) sm.warp_count[warp][i] = __popc(b);
       }
       __syncthreads();
       if (tid < n) {  // exclusive scan over the warps of this tile, continuing from earlier tiles
         int32_t running = sm.rank_base[first + tid];
+#pragma unroll
         for (int w = 0; w < kWarps; ++w) {
           const int32_t c = sm.warp_count[w][tid];
           sm.warp_count[w][tid] = running;
@@ -92,7 +107,7 @@ __device__ inline void range_layout(const Params& p, int begin, int end, TileSme
       __syncthreads();
       if (p.send_pos != nullptr) {
         for (int i = 0; i < n; ++i) {
-          const bool bit = has_rank(mask, first + i);
+          const bool bit = ranks.has(first + i);
           const unsigned b = __ballot_sync(0xffffffffu, bit);
           if (valid)
             p.send_pos[static_cast<int64_t>(t) * R + first + i] = bit ? sm.warp_count[warp][i] + __popc(b & lt_mask)
@@ -102,6 +117,15 @@ __device__ inline void range_layout(const Params& p, int begin, int end, TileSme
       __syncthreads();  // warp_count is rewritten by the next chunk or tile
     }
   }
+}
+
+// range_layout_words with one word of rank set where R <= 64 (every NVLink group), else words for kMaxGroupRanks.
+template <int kThreads>
+__device__ inline void range_layout(const Params& p, int begin, int end, TileSmem<kThreads>& sm, int32_t* s_expert) {
+  if (p.num_ranks <= 64)
+    range_layout_words<kThreads, 1>(p, begin, end, sm, s_expert);
+  else
+    range_layout_words<kThreads, kMaskWords>(p, begin, end, sm, s_expert);
 }
 
 // The whole layout of a rank's tokens by one block of kLayoutThreads threads.

@@ -110,9 +110,11 @@ __device__ __forceinline__ void copy_out_row(const RecvArgs& a, int32_t row, int
 // The rows [prefix[s], prefix[s + 1]) of staging come from rank s (the exchanged counts); s_prefix: R + 1 entries of
 // the caller's shared memory. Every thread.
 __device__ __forceinline__ void load_row_prefix(const RecvArgs& a, int32_t* s_prefix) {
+  for (int s = threadIdx.x; s < a.g.num_ranks; s += blockDim.x) s_prefix[s + 1] = a.recv_rank_counts[s];  // at once
+  __syncthreads();
   if (threadIdx.x == 0) {
     s_prefix[0] = 0;
-    for (int s = 0; s < a.g.num_ranks; ++s) s_prefix[s + 1] = s_prefix[s] + a.recv_rank_counts[s];
+    for (int s = 0; s < a.g.num_ranks; ++s) s_prefix[s + 1] += s_prefix[s];
   }
   __syncthreads();
 }

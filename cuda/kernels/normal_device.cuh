@@ -45,9 +45,23 @@ __device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::B
   __syncthreads();
 }
 
+// first[0] + first[stride] + ... (count terms) of memory peers wrote (ld.cg), the loads of kMaxNvlPeers terms at a
+// time issued before any is added: one L2 round trip per kMaxNvlPeers terms instead of one per term.
+__device__ __forceinline__ int32_t sum_strided_cg(const int32_t* first, int count, int stride) {
+  int32_t total = 0;
+  for (int base = 0; base < count; base += kMaxNvlPeers) {
+    int32_t v[kMaxNvlPeers];
+#pragma unroll
+    for (int i = 0; i < kMaxNvlPeers; ++i) v[i] = base + i < count ? __ldcg(first + (base + i) * stride) : 0;
+#pragma unroll
+    for (int i = 0; i < kMaxNvlPeers; ++i) total += v[i];
+  }
+  return total;
+}
+
 // Dispatch notify, after every rank's counts have landed in this rank's counts / expert_counts regions: the handle
 // counts and the receive totals. Called by every thread of the notify block; reads the [R][R] count matrix from
-// global memory (ld.cg: peers wrote it), R entries per output.
+// global memory, R entries per output.
 __device__ __forceinline__ void notify_outputs(const DispatchParams& p) {
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
@@ -55,21 +69,11 @@ __device__ __forceinline__ void notify_outputs(const DispatchParams& p) {
   const int32_t* counts = reinterpret_cast<const int32_t*>(self + g.layout.counts);  // [source s][destination d]
   for (int d = tid; d < R; d += blockDim.x) {
     p.recv_rank_counts[d] = __ldcg(counts + d * R + me);
-    int32_t off = 0;
-    for (int s = 0; s < me; ++s) off += __ldcg(counts + s * R + d);
-    p.send_row_offset[d] = off;
+    p.send_row_offset[d] = sum_strided_cg(counts + d, me, R);
   }
-  if (tid == 0) {
-    int32_t total = 0;
-    for (int s = 0; s < R; ++s) total += __ldcg(counts + s * R + me);
-    *p.num_recv_tokens = total;
-  }
+  if (tid == 0) *p.num_recv_tokens = sum_strided_cg(counts + me, R, R);
   const int32_t* expert_counts = reinterpret_cast<const int32_t*>(self + g.layout.expert_counts);
-  for (int l = tid; l < L; l += blockDim.x) {
-    int32_t n = 0;
-    for (int s = 0; s < R; ++s) n += __ldcg(expert_counts + s * L + l);
-    p.num_recv_tokens_per_expert[l] = n;
-  }
+  for (int l = tid; l < L; l += blockDim.x) p.num_recv_tokens_per_expert[l] = sum_strided_cg(expert_counts + l, R, L);
 }
 
 // The staging row of token t on rank d (-1: not sent there, or cut by that rank's capacity); any lane, d < R.
@@ -309,10 +313,12 @@ constexpr uint32_t kArrivalBackoffNs = 500;
 // recv_rank_counts, cut by the capacity) and s_span = the most rows of any other rank. Shared-memory outputs.
 __device__ __forceinline__ void combine_source_spans(const CombineParams& p, int32_t* s_begin, int32_t* s_end,
                                                      int32_t* s_span) {
+  for (int s = threadIdx.x; s < p.g.num_ranks; s += blockDim.x) s_end[s] = p.recv_rank_counts[s];  // loads at once
+  __syncthreads();
   if (threadIdx.x == 0) {
     int32_t off = 0, span = 0;
     for (int s = 0; s < p.g.num_ranks; ++s) {
-      const int32_t n = p.recv_rank_counts[s];
+      const int32_t n = s_end[s];
       s_begin[s] = min(off, p.capacity);  // rows past the capacity never arrived
       s_end[s] = min(off + n, p.capacity);
       if (s != p.g.rank) span = max(span, s_end[s] - s_begin[s]);

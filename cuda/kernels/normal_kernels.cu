@@ -113,18 +113,25 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
     for (int e = tid; e < E; e += blockDim.x) chunk_experts[blockIdx.x * E + e] = s_expert[e];
     // the last block reads every block's chunk counts (GPU-scope tickets order them)
     if (!last_block<TicketScope::kGpu>(header_word(self, SignalHeader::kBlockDone), &s_last)) return;
-    for (int r = tid; r < R; r += blockDim.x) {  // chunk counts -> each chunk's first position; the rank totals
+    // Every chunk's value is loaded before any is used (unrolled over kMaxNotifyBlocks, one L2 round trip), then
+    // chunk counts -> each chunk's first position; the rank totals; the expert totals.
+    const int chunks = static_cast<int>(gridDim.x);
+    for (int r = tid; r < R; r += blockDim.x) {
+      int32_t n[kMaxNotifyBlocks];
+#pragma unroll
+      for (int c = 0; c < kMaxNotifyBlocks; ++c) n[c] = c < chunks ? __ldcg(chunk_counts + c * R + r) : 0;
       int32_t running = 0;
-      for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {
-        const int32_t n = __ldcg(chunk_counts + c * R + r);
-        chunk_counts[c * R + r] = running;
-        running += n;
+#pragma unroll
+      for (int c = 0; c < kMaxNotifyBlocks; ++c) {
+        if (c < chunks) chunk_counts[c * R + r] = running;
+        running += n[c];
       }
       sm.rank_base[r] = running;
     }
     for (int e = tid; e < E; e += blockDim.x) {
       int32_t n = 0;
-      for (int c = 0; c < static_cast<int>(gridDim.x); ++c) n += __ldcg(chunk_experts + c * E + e);
+#pragma unroll
+      for (int c = 0; c < kMaxNotifyBlocks; ++c) n += c < chunks ? __ldcg(chunk_experts + c * E + e) : 0;
       s_expert[e] = n;
     }
     __syncthreads();
@@ -242,11 +249,8 @@ __global__ void __launch_bounds__(kSendThreads, 1) send_rows_kernel(const __grid
     for (int d = threadIdx.x; d < a.g.num_ranks; d += blockDim.x)
       load_recv_targets(self + a.g.layout.recv_targets + d * kRecvTargetBytes, &s_targets[d]);
   }
-  if (threadIdx.x == 0 && a.pad.rows != nullptr) {
-    int32_t n = 0;
-    for (int s = 0; s < a.g.num_ranks; ++s) n += a.pad.recv_rank_counts[s];
-    s_received = min(n, a.capacity);
-  }
+  if (threadIdx.x == 0 && a.pad.rows != nullptr)
+    s_received = min(sum_strided_cg(a.pad.recv_rank_counts, a.g.num_ranks, 1), a.capacity);
   __syncthreads();
   send_items(a, grid_items(a.g), a.direct ? s_targets : nullptr, a.pad.rows != nullptr ? s_received : 0);
   __syncthreads();
