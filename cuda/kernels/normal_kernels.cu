@@ -91,7 +91,9 @@ __device__ __forceinline__ uint32_t recv_target_word(const DispatchParams& p, in
 __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ layout::TileSmem<kNotifyThreads> sm;
   __shared__ int32_t s_last;
-  extern __shared__ int32_t s_expert[];  // [E]
+  // the handle counts, added up as the count words arrive (R <= kMaxNvlPeers on this path)
+  __shared__ int32_t s_recv[kMaxNvlPeers], s_row_offset[kMaxNvlPeers], s_total;
+  extern __shared__ int32_t s_expert[];  // [E] this rank's expert counts; in the exchange, [L] received per expert
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R, E = p.num_experts;
   char* self = self_base(g);
@@ -103,6 +105,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
   const int chunk = notify_chunk_tokens(p.num_tokens);
   const int begin = static_cast<int>(blockIdx.x) * chunk;
   const int end = min(p.num_tokens, begin + chunk);
+  if (tid < kMaxNvlPeers) s_row_offset[tid] = 0;  // ordered before the exchange by the layout's barriers
+  if (tid == 0) s_total = 0;
   layout::clear_layout_counts<kNotifyThreads>(lp, sm, s_expert);
   phase_stamp(g_normal_phases, kPhaseNotifyCleared);
   layout::range_layout<kNotifyThreads>(lp, begin, end, sm, s_expert);
@@ -144,8 +148,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
   // The count exchange: every value this rank sends rank d is one epoch word (this op's epoch, the value) in d's
   // count_words[me]: this rank's row of the count matrix, its per-expert counts of d's experts, its receive targets
   // as d addresses them (zero when its rows go through staging). Each word is valid on its own, so no fence or
-  // signal follows the stores; d waits for every word of this epoch and copies the values into its counts,
-  // expert_counts and recv_targets, where notify_outputs and the send kernel read them.
+  // signal follows the stores; d waits for every word of this epoch, adds the counts up in shared memory into its
+  // handle counts (notify_outputs' sums, without a pass over global memory) and copies the receive targets where the
+  // send kernel reads them.
   const int words = static_cast<int>(count_words_per_rank(R, L));
   for (int i = tid; i < R * words; i += blockDim.x) {
     const int d = i / words, w = i % words;
@@ -161,25 +166,37 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) dispatch_notify_kernel(cons
     st_relaxed_sys_u64(box + static_cast<int64_t>(me) * words + w, epoch_word(epoch, v));
   }
   phase_stamp(g_normal_phases, kPhaseNotifyPublished);
+  __syncthreads();  // every read of s_expert above is done: its first L entries now count received tokens
+  int32_t* s_recv_expert = s_expert;
+  for (int l = tid; l < L; l += blockDim.x) s_recv_expert[l] = 0;
+  __syncthreads();
   const uint64_t* box = reinterpret_cast<const uint64_t*>(self + g.layout.count_words);
-  int32_t* counts = reinterpret_cast<int32_t*>(self + g.layout.counts);
-  int32_t* expert_counts = reinterpret_cast<int32_t*>(self + g.layout.expert_counts);
   uint32_t* targets = reinterpret_cast<uint32_t*>(self + g.layout.recv_targets);
   for (int i = tid; i < R * words; i += blockDim.x) {
-    const int s = i / words, w = i % words;
+    const int s = i / words, w = i % words;  // word w of source s
     const auto v = static_cast<uint32_t>(
         wait_word_reached(box + i, epoch, g.timeout_ns, "dispatch count exchange", me, s));
-    if (w < R)
-      counts[s * R + w] = static_cast<int32_t>(v);
-    else if (w < R + L)
-      expert_counts[s * L + w - R] = static_cast<int32_t>(v);
-    else
+    if (w < R) {  // counts[s][w]: s sends rank w that many rows
+      if (w == me) {
+        s_recv[s] = static_cast<int32_t>(v);
+        atomicAdd(&s_total, static_cast<int32_t>(v));
+      }
+      if (s < me) atomicAdd(&s_row_offset[w], static_cast<int32_t>(v));  // ranks before this one come first at w
+    } else if (w < R + L) {
+      atomicAdd(&s_recv_expert[w - R], static_cast<int32_t>(v));
+    } else {
       targets[s * kRecvTargetWords + w - R - L] = v;
+    }
   }
-  __syncthreads();  // notify_outputs reads what every thread copied
+  __syncthreads();
   phase_stamp(g_normal_phases, kPhaseNotifyExchanged);
 
-  notify_outputs(p);
+  for (int d = tid; d < R; d += blockDim.x) {
+    p.recv_rank_counts[d] = s_recv[d];
+    p.send_row_offset[d] = s_row_offset[d];
+  }
+  if (tid == 0) *p.num_recv_tokens = s_total;
+  for (int l = tid; l < L; l += blockDim.x) p.num_recv_tokens_per_expert[l] = s_recv_expert[l];
   phase_stamp(g_normal_phases, kPhaseNotifyOutputs);
 }
 

@@ -30,8 +30,9 @@ JAX_EP_HD int64_t align_up(int64_t n, int64_t a = kAlign) { return (n + a - 1) /
 //   kernels").
 struct BufferLayout {
   int64_t rows;            // staging rows: max(capacity, combine_slot_rows)
-  int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank
-  int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src
+  int64_t counts;          // i32 [R][R] counts[src][dst], written by src into every rank (NVSHMEM kernels; the
+                           // NVLink kernels add the counts up from count_words in the notify kernel's shared memory)
+  int64_t expert_counts;   // i32 [R][L] expert_counts[src][l], written by src (NVSHMEM kernels)
   int64_t recv_targets;    // kRecvTargetBytes [R]: dispatch's receive targets of rank s (RecvTargets), written by s
                            // (NVSHMEM kernels) or by this rank from count_words (NVLink kernels)
   // NVLink kernels: u64 [R][count_words_per_rank(R, L)] epoch words (epoch << 32 | value) rank s sends this rank in
