@@ -22,8 +22,9 @@ struct TileSmem {
 };
 using BlockSmem = TileSmem<kLayoutThreads>;
 
-// A token's rank set as kWords 64-bit words. Every index into the words is a compile-time constant (the selects
-// below), so the set stays in registers: a dynamic index would put it in local memory, on the layout's critical path.
+// A token's rank set as kWords 64-bit words, every index into them a compile-time constant (the selects below). With
+// one word (R <= 64, every NVLink group) the set stays in registers; wider sets (R > 64, the NVSHMEM kernels) the
+// compiler still turns into indexed local memory.
 template <int kWords>
 struct RankSet {
   uint64_t w[kWords];
@@ -58,7 +59,7 @@ __device__ __forceinline__ void clear_layout_counts(const Params& p, TileSmem<kT
 // position of t among the range's tokens sent to r (else -1), is_token_in_rank when asked.
 // NOTE: tokens are taken in tiles of kThreads, one per thread, so a warp ballot + a scan over the warp counts gives
 // each token its position among the tokens sent to a rank in token order (SPEC: rows by token index). A token's ids
-// and rank set live in registers (the top-k loop is unrolled to kMaxTopk; kWords covers R).
+// live in registers (the top-k loop is unrolled to kMaxTopk), its rank set too with one word (RankSet).
 template <int kThreads, int kWords>
 __device__ inline void range_layout_words(const Params& p, int begin, int end, TileSmem<kThreads>& sm,
                                           int32_t* s_expert) {

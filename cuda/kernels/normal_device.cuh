@@ -45,8 +45,8 @@ __device__ __forceinline__ void notify_layout(const DispatchParams& p, layout::B
   __syncthreads();
 }
 
-// first[0] + first[stride] + ... (count terms) of memory peers wrote (ld.cg), the loads of kMaxNvlPeers terms at a
-// time issued before any is added: one L2 round trip per kMaxNvlPeers terms instead of one per term.
+// first[0] + first[stride] + ... (count terms), loaded with ld.cg (counts peers or an earlier kernel wrote), the loads
+// of kMaxNvlPeers terms at a time issued before any is added: one L2 round trip per kMaxNvlPeers terms, not per term.
 __device__ __forceinline__ int32_t sum_strided_cg(const int32_t* first, int count, int stride) {
   int32_t total = 0;
   for (int base = 0; base < count; base += kMaxNvlPeers) {
