@@ -282,7 +282,8 @@ def routing(rng, T, K, E, mode):
     return ids
 
 
-@pytest.mark.parametrize("T,K,E,R", [(1, 1, 8, 2), (17, 8, 64, 4), (300, 4, 32, 8), (0, 2, 16, 4), (64, 16, 256, 8)])
+@pytest.mark.parametrize("T,K,E,R", [(1, 1, 8, 2), (17, 8, 64, 4), (300, 4, 32, 8), (0, 2, 16, 4), (64, 16, 256, 8),
+                                     (300, 8, 260, 65), (130, 16, 512, 256)])
 @pytest.mark.parametrize("mode", ["random", "distinct", "messy"])
 def test_layout_cpu_target_under_jit(T, K, E, R, mode):
     rng = np.random.default_rng(zlib.crc32(repr((T, K, E, R, mode)).encode()))
