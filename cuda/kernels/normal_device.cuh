@@ -59,9 +59,9 @@ __device__ __forceinline__ int32_t sum_strided_cg(const int32_t* first, int coun
   return total;
 }
 
-// Dispatch notify, after every rank's counts have landed in this rank's counts / expert_counts regions: the handle
-// counts and the receive totals. Called by every thread of the notify block; reads the [R][R] count matrix from
-// global memory, R entries per output.
+// Dispatch notify of the NVSHMEM kernels, after every rank's counts have landed in this rank's counts /
+// expert_counts regions: the handle counts and the receive totals (the NVLink notify adds them up in shared memory as
+// the count words arrive). Called by every thread of the notify block; R entries of global memory per output.
 __device__ __forceinline__ void notify_outputs(const DispatchParams& p) {
   const GroupCtx& g = p.g;
   const int tid = threadIdx.x, R = g.num_ranks, me = g.rank, L = p.num_experts / R;
